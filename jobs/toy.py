@@ -1,0 +1,51 @@
+"""A tiny deterministic regression job (an MLP on a fixed synthetic set) for smoke runs and tests.
+
+Exercised by: `python -m launcher +exp=toy` (2 CPU ranks, a few seconds).
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def MLP(in_features: int, hidden: int, out_features: int, depth: int = 2, dtype: str = "float32") -> nn.Module:
+    layers: list[nn.Module] = []
+    width = in_features
+    for _ in range(depth - 1):
+        layers += [nn.Linear(width, hidden), nn.Tanh()]
+        width = hidden
+    layers.append(nn.Linear(width, out_features))
+    return nn.Sequential(*layers).to(getattr(torch, dtype))
+
+
+class ToyRegression:
+    """y = tanh(x A) B + noise on fixed Gaussian inputs; per-sample loss = mean squared error."""
+
+    eval_sum_keys = ("loss_sum", "count")
+
+    def __init__(self, n_samples: int = 1024, n_eval: int = 256, in_features: int = 8, out_features: int = 2,
+                 noise: float = 0.05, seed: int = 1234, dtype: str = "float32"):
+        generator = torch.Generator().manual_seed(seed)
+        dt = getattr(torch, dtype)
+        a = torch.randn(in_features, 16, generator=generator, dtype=dt)
+        b = torch.randn(16, out_features, generator=generator, dtype=dt) / 4
+        x = torch.randn(n_samples + n_eval, in_features, generator=generator, dtype=dt)
+        y = torch.tanh(x @ a) @ b + noise * torch.randn(len(x), out_features, generator=generator, dtype=dt)
+        samples = [{"id": i, "x": x[i], "y": y[i]} for i in range(len(x))]
+        self.train_set, self.eval_set = samples[:n_samples], samples[n_samples:] or None
+
+    def collate(self, samples: list[dict]) -> dict[str, torch.Tensor]:
+        return {"id": torch.tensor([s["id"] for s in samples]), "x": torch.stack([s["x"] for s in samples]),
+                "y": torch.stack([s["y"] for s in samples])}
+
+    def count_items(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        return torch.tensor(len(batch["x"]))
+
+    def loss_sum(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        return ((model(batch["x"]) - batch["y"]) ** 2).mean(dim=1).sum()
+
+    def eval_sums(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {"loss_sum": self.loss_sum(model, batch), "count": self.count_items(batch)}
+
+    def eval_metrics(self, sums: dict[str, float]) -> dict[str, float]:
+        return {"loss": sums["loss_sum"] / max(sums["count"], 1)}

@@ -1,0 +1,4 @@
+"""`python -m launcher +exp=<name> [overrides]`: see launcher/cli.py."""
+from launcher.cli import main
+
+main()

@@ -1,0 +1,68 @@
+"""`python -m launcher`: the only process that runs Hydra.
+
+compose -> validate/derive (world size, accumulation) -> resolve once -> <run_dir>/config.yaml ->
+start the workers. Exercised by: `python -m launcher +exp=toy` and `python -m launcher +exp=toy --cfg job`.
+"""
+from __future__ import annotations
+
+import json
+import platform
+import shutil
+import subprocess
+import sys
+from dataclasses import asdict
+from pathlib import Path
+
+import hydra
+import torch
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig
+
+from launcher.local import run_local
+from launcher.plan import ConfigError, Plan, make_plan, resolve, write_config
+from launcher.schema import register
+
+register()
+CONF_DIR = Path(__file__).resolve().parent.parent / "conf"  # the repo's conf/, as a file-system path
+HYDRA_FILES = {".hydra", "launcher.log"}  # what Hydra puts into a run dir before our code runs
+
+
+def git_revision() -> str | None:
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).parent, capture_output=True,
+                             text=True, timeout=5)
+    except OSError:
+        return None
+    return out.stdout.strip() or None
+
+
+def write_launch_record(run_dir: Path, plan: Plan) -> None:
+    record = {"command": sys.argv, "overrides": list(HydraConfig.get().overrides.task),
+              "git_revision": git_revision(), "host": platform.node(), "plan": asdict(plan),
+              "torch": torch.__version__, "cuda": torch.version.cuda}
+    (run_dir / "launch.json").write_text(json.dumps(record, indent=2) + "\n")
+
+
+def discard_if_fresh(run_dir: Path) -> None:
+    """Leave no half-made run dir behind a config error; never touch one that holds a run."""
+    if run_dir.is_dir() and {p.name for p in run_dir.iterdir()} <= HYDRA_FILES:
+        shutil.rmtree(run_dir)
+
+
+@hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")
+def main(cfg: DictConfig) -> None:
+    run_dir = Path(HydraConfig.get().runtime.output_dir)
+    try:
+        plan = make_plan(cfg)
+        config = resolve(cfg, plan)
+    except ConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        discard_if_fresh(run_dir)
+        sys.exit(2)
+    config_path = write_config(run_dir, config)
+    write_launch_record(run_dir, plan)
+    print(f"run dir {run_dir} | {plan.world_size} worker(s) on {plan.device_type} | "
+          f"grad accum {plan.grad_accum_steps}", flush=True)
+    code = run_local(config_path, plan, cfg.launcher.max_restarts)
+    if code:
+        sys.exit(code)

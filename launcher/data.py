@@ -1,0 +1,101 @@
+"""Which samples each rank trains on at each optimizer step: a pure function of the step.
+
+The samples of step s depend only on (seed, epoch, step, global batch size), never on the world size
+or the accumulation: changing the cluster shape at a fixed global batch keeps the trajectory, and a
+resume on any world size continues at the right sample. Exercised by: tests/test_data.py.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from launcher.task import Task
+
+
+@dataclass(frozen=True)
+class DataPlan:
+    n_samples: int
+    global_batch_size: int
+    seed: int
+    drop_last: bool
+
+    @property
+    def steps_per_epoch(self) -> int:
+        div = self.n_samples // self.global_batch_size
+        return div if self.drop_last else math.ceil(self.n_samples / self.global_batch_size)
+
+    def epoch_of(self, step: int) -> int:
+        return step // self.steps_per_epoch
+
+    def step_indices(self, step: int) -> torch.Tensor:
+        """Dataset indices of the whole step (all ranks); the last window of an epoch may be short."""
+        epoch, step_in_epoch = divmod(step, self.steps_per_epoch)
+        # A fresh permutation per (seed, epoch): reshuffled every epoch, reproducible per seed.
+        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+        order = torch.randperm(self.n_samples, generator=generator)
+        start = step_in_epoch * self.global_batch_size
+        return order[start:start + self.global_batch_size]
+
+
+def rank_share(indices: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
+    """Rank r's contiguous slice of a step's (or eval set's) indices; sizes differ by at most one."""
+    return torch.tensor_split(indices, world_size)[rank]
+
+
+@dataclass
+class Window:
+    """One rank's part of one optimizer step, already split into micro-batches."""
+
+    micro_batches: list[dict[str, Any]]
+    step_samples: int  # samples in the whole step over all ranks (for samples/s without a sync)
+    sample_ids: list[int] = field(default_factory=list)
+    padding: bool = False  # this rank got no sample of a short window: one sample counted with weight 0
+
+    def pin_memory(self) -> "Window":  # called by DataLoader(pin_memory=True) on CUDA
+        self.micro_batches = [{k: v.pin_memory() if isinstance(v, torch.Tensor) else v for k, v in b.items()}
+                              for b in self.micro_batches]
+        return self
+
+
+class StepWindows(Dataset):
+    """Item s = this rank's window of optimizer step s."""
+
+    def __init__(self, task: Task, plan: DataPlan, rank: int, world_size: int, grad_accum_steps: int):
+        self.task, self.plan = task, plan
+        self.rank, self.world_size, self.grad_accum_steps = rank, world_size, grad_accum_steps
+
+    def __getitem__(self, step: int) -> Window:
+        indices = self.plan.step_indices(step)
+        mine = rank_share(indices, self.rank, self.world_size)
+        padding = len(mine) == 0
+        if padding:  # every rank must run a backward to join the one gradient all-reduce of the step
+            mine = indices[:1]
+        chunks = [c for c in torch.tensor_split(mine, self.grad_accum_steps) if len(c)]
+        batches = [self.task.collate([self.task.train_set[i] for i in c.tolist()]) for c in chunks]
+        return Window(batches, len(indices), [] if padding else mine.tolist(), padding)
+
+    def __len__(self) -> int:
+        raise TypeError("StepWindows is indexed by step; iterate it through window_loader")
+
+
+def _keep(window: Window) -> Window:
+    return window
+
+
+def window_loader(windows: StepWindows, steps: Iterable[int], num_workers: int, pin_memory: bool) -> DataLoader:
+    """Windows of the given steps, prepared ahead by `num_workers` processes."""
+    return DataLoader(windows, batch_size=None, sampler=list(steps), collate_fn=_keep,
+                      num_workers=num_workers, pin_memory=pin_memory,
+                      persistent_workers=False, prefetch_factor=2 if num_workers else None)
+
+
+def eval_batches(task: Task, rank: int, world_size: int, batch_size: int) -> Iterable[dict[str, Any]]:
+    """This rank's disjoint share of the eval set: no padding duplicates, so sums are exact."""
+    assert task.eval_set is not None
+    mine = rank_share(torch.arange(len(task.eval_set)), rank, world_size)
+    for chunk in torch.split(mine, batch_size):
+        yield task.collate([task.eval_set[i] for i in chunk.tolist()])

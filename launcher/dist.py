@@ -1,0 +1,55 @@
+"""Process-group setup from the env:// variables, and the few collectives the loop uses.
+
+Every worker reads only RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT, so torchrun,
+Slurm and the tests all start it the same way. Exercised by: `python -m launcher +exp=toy`.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    rank: int
+    local_rank: int
+    world_size: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def init(backend: str, timeout_s: float) -> DistEnv:
+    """Join the process group named by the env:// variables (torchrun sets them)."""
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    if torch.cuda.is_available():
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    if backend == "auto":
+        backend = "nccl" if device.type == "cuda" else "gloo"
+    # The timeout turns a rank that never enters a collective into an error, not a 30-minute hang.
+    dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s),
+                            device_id=device if device.type == "cuda" else None)
+    return DistEnv(rank=rank, local_rank=local_rank, world_size=world_size, device=device)
+
+
+def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
+    """Sum over ranks, in place and returned; stays on the device (no host sync)."""
+    dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+    return tensor
+
+
+def all_gather_strings(text: str) -> list[str]:
+    """Every rank's string, in rank order (used once at start to compare config hashes)."""
+    gathered: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, text)
+    return [str(item) for item in gathered]

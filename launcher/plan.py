@@ -1,0 +1,101 @@
+"""Validate a composed config and derive what is not configured: world size and accumulation.
+
+Runs in the parent before any process starts; every error names the key and the fix in one line.
+Exercised by: `python -m launcher +exp=toy train.global_batch_size=30` (fails: not divisible).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+
+class ConfigError(ValueError):
+    """A user mistake in the config or environment; printed as one line, no traceback."""
+
+
+@dataclass(frozen=True)
+class Plan:
+    nnodes: int
+    nproc_per_node: int
+    world_size: int
+    grad_accum_steps: int
+    device_type: str  # "cuda" or "cpu"
+
+
+def grad_accum_steps(global_batch_size: int, micro_batch_size: int, world_size: int) -> int:
+    """K = global / (micro x world); the one formula the parent and every worker use."""
+    per_step = micro_batch_size * world_size
+    if global_batch_size % per_step:
+        raise ConfigError(
+            f"train.global_batch_size={global_batch_size} is not divisible by train.micro_batch_size="
+            f"{micro_batch_size} x world size {world_size} (= {per_step}); set train.global_batch_size "
+            f"to a multiple of {per_step} or change train.micro_batch_size")
+    return global_batch_size // per_step
+
+
+def _require_positive(cfg: DictConfig, *keys: str) -> None:
+    for key in keys:
+        value = OmegaConf.select(cfg, key)
+        if value is not None and value <= 0:
+            raise ConfigError(f"{key}={value} must be > 0")
+
+
+def make_plan(cfg: DictConfig, nnodes: int = 1) -> Plan:
+    """Check the config against this machine and derive the plan, or raise ConfigError."""
+    _require_positive(cfg, "train.global_batch_size", "train.micro_batch_size", "train.max_steps",
+                      "train.log_every", "launcher.nproc_per_node", "dist.timeout_s",
+                      "optimizer.lr", "train.max_grad_norm")
+    for key in ("train.eval_every", "train.num_workers", "scheduler.warmup_steps", "launcher.max_restarts"):
+        if OmegaConf.select(cfg, key) < 0:
+            raise ConfigError(f"{key}={OmegaConf.select(cfg, key)} must be >= 0")
+    gpus = torch.cuda.device_count()
+    device_type = "cuda" if gpus else "cpu"
+    nproc = cfg.launcher.nproc_per_node or (gpus if gpus else 2)
+    if gpus and nproc > gpus:
+        raise ConfigError(f"launcher.nproc_per_node={nproc} but this node has {gpus} GPU(s); "
+                          f"set launcher.nproc_per_node<={gpus}")
+    precision = getattr(cfg.precision.name, "value", cfg.precision.name)  # Enum when typed, str in yaml
+    if precision == "bf16" and device_type == "cuda" and not torch.cuda.is_bf16_supported():
+        raise ConfigError("precision=bf16 needs an Ampere or newer GPU; use precision=fp16 here")
+    backend = cfg.dist.backend
+    if backend not in ("auto", "gloo", "nccl"):
+        raise ConfigError(f"dist.backend={backend} is not one of auto, gloo, nccl")
+    if backend == "nccl" and device_type == "cpu":
+        raise ConfigError("dist.backend=nccl needs GPUs and this node has none; use dist.backend=auto")
+    world_size = nnodes * nproc
+    accum = grad_accum_steps(cfg.train.global_batch_size, cfg.train.micro_batch_size, world_size)
+    return Plan(nnodes=nnodes, nproc_per_node=nproc, world_size=world_size,
+                grad_accum_steps=accum, device_type=device_type)
+
+
+def resolve(cfg: DictConfig, plan: Plan) -> dict[str, Any]:
+    """The fully resolved config plus the plan: the only thing workers read."""
+    try:
+        container = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True, enum_to_str=True)
+    except Exception as err:  # omegaconf names the key in its message
+        raise ConfigError(f"cannot resolve the config: {str(err).splitlines()[0]}") from None
+    container["plan"] = asdict(plan)
+    return container
+
+
+def config_hash(config: dict[str, Any]) -> str:
+    """Hash of what decides the trajectory: everything but the plan and the launcher."""
+    relevant = {k: v for k, v in config.items() if k not in ("plan", "launcher")}
+    return hashlib.sha256(json.dumps(relevant, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def write_config(run_dir: Path, config: dict[str, Any]) -> Path:
+    """Write <run_dir>/config.yaml atomically (temp file + rename), so no worker reads half a file."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    path = run_dir / "config.yaml"
+    tmp = path.with_suffix(".yaml.tmp")
+    tmp.write_text(OmegaConf.to_yaml(OmegaConf.create(config)))
+    os.replace(tmp, path)
+    return path

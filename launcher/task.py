@@ -1,0 +1,47 @@
+"""The small public interface a job in `jobs/` implements; the launcher knows jobs only through it.
+
+`conf/data/*.yaml` names the job's builder with `_target_`; `conf/model/*.yaml` names its model.
+"""
+from __future__ import annotations
+
+from typing import Any, Protocol, Sequence
+
+import torch
+
+
+class Task(Protocol):
+    """Data and loss of one training task.
+
+    Losses are SUMS over items (samples, or MLM loss tokens); the launcher divides by the number of
+    items in the whole optimizer step, counted on every rank, so the gradient does not depend on how
+    the step is split into micro-batches and ranks.
+    """
+
+    train_set: Sequence[Any]
+    eval_set: Sequence[Any] | None
+    eval_sum_keys: tuple[str, ...]  # the sums eval_sums returns; every rank reduces the same keys
+
+    def collate(self, samples: list[Any]) -> dict[str, torch.Tensor]: ...
+
+    def count_items(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """How many items loss_sum sums over in this batch (a 0-dim tensor)."""
+
+    def loss_sum(self, model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The sum of per-item losses of this batch."""
+
+    def eval_sums(self, model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Sums (loss, correct, counts...) that add up exactly across batches and ranks."""
+
+    def eval_metrics(self, sums: dict[str, float]) -> dict[str, float]:
+        """Metrics from the global sums, e.g. accuracy = correct / count."""
+
+
+def count_tokens(batch: dict[str, torch.Tensor]) -> torch.Tensor | None:
+    """Non-pad tokens of a text batch (for tokens/s), or None when the batch has no attention mask."""
+    mask = batch.get("attention_mask")
+    return None if mask is None else mask.sum()
+
+
+def to_device(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
+    # non_blocking overlaps the copy with compute when the DataLoader pins memory
+    return {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}

@@ -1,0 +1,88 @@
+"""Worker entry, the same on every rank and every path (local torchrun, Slurm, tests).
+
+Reads only <run_dir>/config.yaml (OmegaConf, no Hydra app) and the env:// variables.
+Exercised by: `torchrun --nproc-per-node 2 -m launcher.worker <run_dir>/config.yaml`.
+"""
+from __future__ import annotations
+
+import random
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf
+from torch.distributed.elastic.multiprocessing.errors import record
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from launcher import dist as launcher_dist
+from launcher.data import DataPlan
+from launcher.loop import Run, train
+from launcher.metrics import RunLog
+from launcher.plan import config_hash, grad_accum_steps
+from launcher.precision import Precision
+from launcher.schedule import build_scheduler
+
+
+def seed_all(seed: int) -> None:
+    random.seed(seed)
+    torch.manual_seed(seed)  # also seeds CUDA
+
+
+def build(cfg: DictConfig, run_dir: Path, env: launcher_dist.DistEnv) -> Run:
+    """Model, data, optimizer and the rest from the resolved config."""
+    train_cfg = cfg.train
+    seed_all(train_cfg.seed)  # the same initial weights on every rank (DDP also broadcasts rank 0's)
+    task = instantiate(cfg.data)
+    model = instantiate(cfg.model).to(env.device)
+    ddp = DDP(model, device_ids=[env.local_rank] if env.device.type == "cuda" else None,
+              bucket_cap_mb=cfg.dist.bucket_cap_mb, gradient_as_bucket_view=cfg.dist.gradient_as_bucket_view,
+              static_graph=cfg.dist.static_graph, find_unused_parameters=cfg.dist.find_unused_parameters,
+              # Buffers are synced at init only: ranks may run different numbers of micro-batches in a
+              # short last window, and a per-forward broadcast would pair up mismatched collectives.
+              forward_sync_buffers=False)
+    seed_all(train_cfg.seed * 1_000_003 + env.rank)  # dropout/augmentation noise differs per rank
+    optimizer = instantiate(cfg.optimizer, params=ddp.parameters())
+    scheduler = build_scheduler(optimizer, cfg.scheduler.name, cfg.scheduler.warmup_steps, train_cfg.max_steps,
+                                cfg.scheduler.min_lr_ratio)
+    precision = Precision(cfg.precision.name, env.device.type)
+    data_plan = DataPlan(n_samples=len(task.train_set), global_batch_size=train_cfg.global_batch_size,
+                         seed=train_cfg.seed, drop_last=train_cfg.drop_last)
+    if data_plan.steps_per_epoch == 0:
+        raise ValueError(f"the train set has {data_plan.n_samples} samples, fewer than train.global_batch_size="
+                         f"{train_cfg.global_batch_size} with train.drop_last=true")
+    return Run(run_dir=run_dir, env=env, task=task, model=ddp, optimizer=optimizer, scheduler=scheduler,
+               scaler=precision.grad_scaler(cfg.precision.init_scale, cfg.precision.growth_interval),
+               precision=precision, data_plan=data_plan,
+               grad_accum_steps=grad_accum_steps(train_cfg.global_batch_size, train_cfg.micro_batch_size,
+                                                 env.world_size),
+               micro_batch_size=train_cfg.micro_batch_size, max_steps=train_cfg.max_steps,
+               max_grad_norm=train_cfg.max_grad_norm, log_every=train_cfg.log_every,
+               eval_every=train_cfg.eval_every, num_workers=train_cfg.num_workers,
+               log=RunLog(run_dir, enabled=env.is_main))
+
+
+@record  # the agent reports this worker's traceback in its failure summary
+def main(config_path: str) -> None:
+    path = Path(config_path).resolve()
+    cfg = OmegaConf.load(path)
+    env = launcher_dist.init(cfg.dist.backend, cfg.dist.timeout_s)
+    try:
+        if env.world_size != cfg.plan.world_size:
+            raise RuntimeError(f"WORLD_SIZE={env.world_size} but the plan in {path} says "
+                               f"{cfg.plan.world_size}; relaunch with python -m launcher")
+        hashes = launcher_dist.all_gather_strings(config_hash(OmegaConf.to_container(cfg)))
+        if len(set(hashes)) != 1:  # every rank must train the same config (hydra#2070)
+            raise RuntimeError(f"ranks read different configs: {hashes}")
+        run = build(cfg, path.parent, env)
+        run.log.info(f"run dir {path.parent} | world size {env.world_size} | grad accum "
+                     f"{run.grad_accum_steps} | precision {run.precision.name} | config {hashes[0]}")
+        train(run)
+        run.log.close()
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
