@@ -43,6 +43,7 @@ class Run:
     eval_every: int
     num_workers: int
     log: RunLog
+    config_hash: str
 
 
 @torch.no_grad()
@@ -115,7 +116,7 @@ def train(run: Run, start_step: int = 0) -> dict[str, Any]:
                "samples_per_sec": total_samples / wall if wall else 0.0, "world_size": run.env.world_size,
                "grad_accum_steps": run.grad_accum_steps, "precision": run.precision.name,
                "skipped_steps": skipped, "restarts": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)),
-               "checkpoint": str(ckpt)}
+               "config_hash": run.config_hash, "checkpoint": str(ckpt)}
     run.log.summary(summary)
     return summary
 

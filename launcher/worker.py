@@ -60,7 +60,7 @@ def build(cfg: DictConfig, run_dir: Path, env: launcher_dist.DistEnv) -> Run:
                micro_batch_size=train_cfg.micro_batch_size, max_steps=train_cfg.max_steps,
                max_grad_norm=train_cfg.max_grad_norm, log_every=train_cfg.log_every,
                eval_every=train_cfg.eval_every, num_workers=train_cfg.num_workers,
-               log=RunLog(run_dir, enabled=env.is_main))
+               log=RunLog(run_dir, enabled=env.is_main), config_hash=config_hash(OmegaConf.to_container(cfg)))
 
 
 @record  # the agent reports this worker's traceback in its failure summary
@@ -72,10 +72,10 @@ def main(config_path: str) -> None:
         if env.world_size != cfg.plan.world_size:
             raise RuntimeError(f"WORLD_SIZE={env.world_size} but the plan in {path} says "
                                f"{cfg.plan.world_size}; relaunch with python -m launcher")
-        hashes = launcher_dist.all_gather_strings(config_hash(OmegaConf.to_container(cfg)))
+        run = build(cfg, path.parent, env)
+        hashes = launcher_dist.all_gather_strings(run.config_hash)
         if len(set(hashes)) != 1:  # every rank must train the same config (hydra#2070)
             raise RuntimeError(f"ranks read different configs: {hashes}")
-        run = build(cfg, path.parent, env)
         run.log.info(f"run dir {path.parent} | world size {env.world_size} | grad accum "
                      f"{run.grad_accum_steps} | precision {run.precision.name} | config {hashes[0]}")
         train(run)

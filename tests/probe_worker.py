@@ -1,0 +1,90 @@
+"""Instrumented worker for tests/test_distributed_math.py; run under torchrun, one JSON file per rank.
+
+It builds the run exactly as launcher.worker does, then drives launcher.step.train_step while recording
+what a test needs: comm-hook calls, gradients after each micro-step, grad norms, param hashes,
+loss scale and LR-scheduler position. Usage: torchrun ... probe_worker.py <config.yaml> <mode> [inf_step]
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from omegaconf import OmegaConf
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+from launcher import dist as launcher_dist
+from launcher.data import StepWindows
+from launcher.step import train_step
+from launcher.worker import build
+
+
+def params_hash(model: torch.nn.Module) -> str:
+    digest = hashlib.sha256()
+    for p in model.parameters():
+        digest.update(p.detach().cpu().contiguous().numpy().tobytes())
+    return digest.hexdigest()
+
+
+def grads_of(model: torch.nn.Module) -> list[list[float]]:
+    return [p.grad.detach().double().flatten().tolist() for p in model.parameters()]
+
+
+def main(config_path: str, mode: str, inf_step: int = -1) -> None:
+    cfg = OmegaConf.load(config_path)
+    env = launcher_dist.init(cfg.dist.backend, cfg.dist.timeout_s)
+    run = build(cfg, Path(config_path).parent, env)
+    out: dict = {"rank": env.rank, "init_params": params_hash(run.model.module),
+                 "random_draw": torch.rand(1).item(), "steps": []}
+
+    hook_state = {"calls": 0, "micro_at_call": []}
+    micro = {"index": -1, "step": -1, "snapshots": []}
+
+    def counting_hook(state, bucket):  # unannotated: DDP rejects the string annotations of __future__
+        state["calls"] += 1
+        state["micro_at_call"].append(micro["index"])
+        return allreduce_hook(None, bucket)
+
+    run.model.register_comm_hook(hook_state, counting_hook)
+    task_loss = run.task.loss_sum
+
+    def observed_loss(model: torch.nn.Module, batch: dict) -> torch.Tensor:
+        micro["index"] += 1
+        if micro["index"] > 0:  # gradients accumulated so far, before this micro-batch's backward
+            micro["snapshots"].append(grads_of(run.model.module))
+        loss = task_loss(model, batch)
+        if micro["step"] == inf_step and env.rank == 1 and micro["index"] == 0:
+            loss = loss * float("inf")  # an overflow on one rank only
+        return loss
+
+    run.task.loss_sum = observed_loss
+    synced: list = []
+    run.optimizer.register_step_pre_hook(lambda opt, args, kwargs: synced.append(grads_of(run.model.module)))
+
+    windows = StepWindows(run.task, run.data_plan, env.rank, env.world_size, run.grad_accum_steps)
+    for step in range(run.max_steps):
+        micro.update(index=-1, step=step, snapshots=[])
+        hook_state.update(calls=0, micro_at_call=[])
+        synced.clear()
+        scale_before, sched_before = run.scaler.get_scale(), run.scheduler.last_epoch
+        window = windows[step]
+        result = train_step(run.model, run.task, window, run.optimizer, run.scheduler, run.scaler,
+                            run.precision, run.max_grad_norm, env.device)
+        out["steps"].append({
+            "micro_batches": len(window.micro_batches), "sample_ids": window.sample_ids,
+            "comm_hook_calls": hook_state["calls"], "micro_at_call": hook_state["micro_at_call"],
+            "unsynced_grads": micro["snapshots"] if mode == "sync" else [],
+            "synced_grads": synced[0] if synced and mode == "sync" else None,
+            "grad_norm": result.grad_norm.item(), "loss": result.loss.item(), "stepped": result.stepped,
+            "params": params_hash(run.model.module), "scale_before": scale_before,
+            "scale_after": run.scaler.get_scale(), "sched_before": sched_before,
+            "sched_after": run.scheduler.last_epoch, "lr": run.scheduler.get_last_lr()[0]})
+    Path(config_path).with_name(f"probe_rank{env.rank}.json").write_text(json.dumps(out))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2], int(sys.argv[3]) if len(sys.argv) > 3 else -1)

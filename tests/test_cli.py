@@ -1,0 +1,109 @@
+"""`python -m launcher` end to end in real subprocesses (issue 2 test 5, PITFALLS #8 #9 #22)."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from omegaconf import OmegaConf
+from safetensors.torch import load_file
+
+from conftest import read_metrics, run_cli, subprocess_env
+from launcher.plan import config_hash
+
+pytestmark = pytest.mark.slow
+TOY = ("+exp=toy", "train.max_steps=20", "train.log_every=1", "train.global_batch_size=16")
+
+
+def only_run_dir(cwd: Path) -> Path:
+    (run_dir,) = (cwd / "runs" / "toy").iterdir()
+    return run_dir
+
+
+def test_toy_two_ranks_writes_a_complete_run_dir(tmp_path: Path) -> None:
+    out = run_cli(*TOY, "launcher.nproc_per_node=2", "train.micro_batch_size=4", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-4000:]
+    run_dir = only_run_dir(tmp_path)  # one run dir for all ranks (hydra#2070)
+    assert f"run dir {run_dir}" in out.stdout
+    text = (run_dir / "config.yaml").read_text()
+    assert "${" not in text  # resolved once, in the parent
+    config = OmegaConf.to_container(OmegaConf.load(run_dir / "config.yaml"))
+    assert config["plan"] == {"nnodes": 1, "nproc_per_node": 2, "world_size": 2, "grad_accum_steps": 2,
+                              "device_type": "cpu"}
+    metrics = read_metrics(run_dir)
+    steps = [m for m in metrics if "loss" in m]
+    assert [m["step"] for m in steps] == list(range(1, 21))
+    for m in steps:
+        assert {"step", "epoch", "loss", "lr", "grad_norm", "samples_per_sec", "skipped_steps", "time"} <= m.keys()
+    assert steps[-1]["loss"] < steps[0]["loss"]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps"] == 20 and summary["world_size"] == 2 and summary["grad_accum_steps"] == 2
+    assert summary["config_hash"] == config_hash(config)  # the hash every rank agreed on at start
+    weights = load_file(run_dir / "checkpoints" / "20" / "model.safetensors")
+    assert set(weights) == {"0.weight", "0.bias", "2.weight", "2.bias"}
+    assert (run_dir / "checkpoints" / "20" / "COMPLETE").exists()
+    launch = json.loads((run_dir / "launch.json").read_text())
+    assert launch["plan"]["world_size"] == 2 and "launcher.nproc_per_node=2" in launch["overrides"]
+
+
+def test_world_one_with_accumulation_matches_two_ranks(tmp_path: Path) -> None:
+    """The same global batch on 2 ranks x accum 1 and 1 rank x accum 2: the same per-step losses."""
+    losses = []
+    for name, nproc in (("w2", 2), ("w1", 1)):
+        run_dir = tmp_path / name
+        out = run_cli(*TOY, f"launcher.nproc_per_node={nproc}", "train.micro_batch_size=8",
+                      f"hydra.run.dir={run_dir}", cwd=tmp_path)
+        assert out.returncode == 0, out.stderr[-4000:]
+        losses.append([m["loss"] for m in read_metrics(run_dir) if "loss" in m])
+    assert len(losses[0]) == len(losses[1]) == 20
+    for a, b in zip(*losses):
+        assert abs(a - b) <= 1e-5 * abs(b)
+
+
+def test_fp16_and_bf16_runs_log_their_precision(tmp_path: Path) -> None:
+    for precision in ("fp16", "bf16"):
+        run_dir = tmp_path / precision
+        out = run_cli(*TOY, f"precision={precision}", "launcher.nproc_per_node=2", "train.micro_batch_size=4",
+                      f"hydra.run.dir={run_dir}", cwd=tmp_path)
+        assert out.returncode == 0, out.stderr[-4000:]
+        steps = [m for m in read_metrics(run_dir) if "loss" in m]
+        assert ("loss_scale" in steps[-1]) == (precision == "fp16")
+        assert json.loads((run_dir / "summary.json").read_text())["precision"] == precision
+
+
+def test_two_launches_at_once_get_two_run_dirs(tmp_path: Path) -> None:
+    """hydra#2925 (same-second dirs) and a fixed rendezvous port (EADDRINUSE) cannot bite."""
+    cmd = [sys.executable, "-m", "launcher", *TOY, "launcher.nproc_per_node=2", "train.micro_batch_size=4"]
+    procs = [subprocess.Popen(cmd, cwd=tmp_path, env=subprocess_env(), stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    for proc in procs:
+        _, err = proc.communicate(timeout=300)
+        assert proc.returncode == 0, err[-4000:]
+    run_dirs = list((tmp_path / "runs" / "toy").iterdir())
+    assert len(run_dirs) == 2
+    assert all((d / "summary.json").exists() for d in run_dirs)
+
+
+def test_indivisible_batch_fails_in_the_parent_with_one_line(tmp_path: Path) -> None:
+    out = run_cli("+exp=toy", "train.global_batch_size=30", "launcher.nproc_per_node=2", cwd=tmp_path)
+    assert out.returncode == 2
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in out.stderr
+    assert "train.global_batch_size=30" in lines[0] and "train.micro_batch_size=8" in lines[0]
+    assert not (tmp_path / "runs" / "toy").exists() or not any((tmp_path / "runs" / "toy").iterdir())
+
+
+def test_typo_fails_at_compose_time_naming_the_key(tmp_path: Path) -> None:
+    out = run_cli("+exp=toy", "train.micro_batchsize=4", cwd=tmp_path)
+    assert out.returncode != 0 and "micro_batchsize" in out.stderr
+    out = run_cli("+exp=toy", "train.max_steps=abc", cwd=tmp_path)
+    assert out.returncode != 0 and "train.max_steps" in out.stderr
+    assert not (tmp_path / "runs").exists()
+
+
+def test_cfg_job_prints_the_composed_config(tmp_path: Path) -> None:
+    out = run_cli("+exp=toy", "--cfg", "job", cwd=tmp_path)
+    assert out.returncode == 0
+    assert OmegaConf.create(out.stdout).train.global_batch_size == 32

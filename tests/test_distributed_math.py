@@ -1,0 +1,118 @@
+"""The distributed math, proven with real processes: torchrun + gloo on CPU.
+
+PITFALLS #1 #3 #4/#5 #7 #17 and issue 2's tests 1-4.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import REPO, run_cli, run_torchrun, write_run_config
+
+pytestmark = pytest.mark.slow
+PROBE = REPO / "tests" / "probe_worker.py"
+FLOAT64_SGD = ("+exp=toy", "data.dtype=float64", "optimizer=sgd", "train.log_every=1", "train.eval_every=0")
+
+
+def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
+    (step_dir,) = (run_dir / "checkpoints").iterdir()
+    return load_file(step_dir / "model.safetensors")
+
+
+def train_cli(run_dir: Path, *overrides: str) -> dict[str, torch.Tensor]:
+    out = run_cli(*FLOAT64_SGD, f"hydra.run.dir={run_dir}", *overrides, cwd=run_dir.parent)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
+    return final_weights(run_dir)
+
+
+def assert_params_close(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], rtol: float) -> None:
+    assert a.keys() == b.keys()
+    for name in a:
+        assert a[name].dtype == torch.float64
+        torch.testing.assert_close(a[name], b[name], rtol=rtol, atol=0.0, msg=name)
+
+
+def test_world_and_accumulation_do_not_change_the_trajectory(tmp_path: Path) -> None:
+    """Issue 2 test 1: world 2 x accum 2 x micro 2 == world 1 x accum 1 x micro 8 (float64, rtol 1e-10)."""
+    common = ("train.global_batch_size=8", "train.max_steps=30")
+    split = train_cli(tmp_path / "w2k2", *common, "launcher.nproc_per_node=2", "train.micro_batch_size=2")
+    whole = train_cli(tmp_path / "w1k1", *common, "launcher.nproc_per_node=1", "train.micro_batch_size=8")
+    assert_params_close(split, whole, rtol=1e-10)
+
+
+def test_short_last_window_gives_the_gradient_of_one_big_batch(tmp_path: Path) -> None:
+    """Issue 2 test 1b / PITFALLS #1: 60 samples, global 16 -> every 4th window has 12 samples."""
+    common = ("data.n_samples=60", "train.global_batch_size=16", "train.max_steps=8")
+    split = train_cli(tmp_path / "w2k4", *common, "launcher.nproc_per_node=2", "train.micro_batch_size=2")
+    whole = train_cli(tmp_path / "w1k1", *common, "launcher.nproc_per_node=1", "train.micro_batch_size=16")
+    assert_params_close(split, whole, rtol=1e-10)
+
+
+def test_mean_over_k_would_be_wrong_on_a_short_window() -> None:
+    """The control for the test above: dividing by the configured K instead of the real item count
+    gives a different gradient on a short window, so that test can fail."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 1).double()
+    x, y = torch.randn(12, 3, dtype=torch.float64), torch.randn(12, 1, dtype=torch.float64)
+    def grad(loss_fn) -> torch.Tensor:
+        model.zero_grad()
+        loss_fn().backward()
+        return model.weight.grad.clone()
+    one_batch = grad(lambda: ((model(x) - y) ** 2).mean())
+    chunks = [(x[:4], y[:4]), (x[4:8], y[4:8]), (x[8:12], y[8:12])]  # a short window: 3 of K=4
+    by_items = grad(lambda: sum(((model(a) - b) ** 2).sum() for a, b in chunks) / 12)
+    by_k = grad(lambda: sum(((model(a) - b) ** 2).mean() for a, b in chunks) / 4)
+    torch.testing.assert_close(by_items, one_batch, rtol=1e-12, atol=0)
+    assert not torch.allclose(by_k, one_batch, rtol=1e-3)
+
+
+def probe(tmp_path: Path, nproc: int, mode: str, *overrides: str, inf_step: int = -1) -> list[dict]:
+    config = write_run_config(tmp_path, "+exp=toy", f"launcher.nproc_per_node={nproc}", *overrides)
+    run_torchrun(nproc, PROBE, str(config), mode, str(inf_step))
+    return [json.loads((tmp_path / f"probe_rank{r}.json").read_text()) for r in range(nproc)]
+
+
+def test_one_gradient_sync_per_step_and_ranks_stay_identical(tmp_path: Path) -> None:
+    """Issue 2 tests 2-3, PITFALLS #3 and #17."""
+    ranks = probe(tmp_path, 2, "sync", "train.global_batch_size=32", "train.micro_batch_size=4",
+                  "train.max_steps=5", "train.max_grad_norm=0.05")  # accum 4; clipping really clips
+    r0, r1 = ranks
+    assert r0["init_params"] == r1["init_params"]  # same initial weights on every rank
+    assert r0["random_draw"] != r1["random_draw"]  # but per-rank noise for dropout/augmentation
+    for s0, s1 in zip(r0["steps"], r1["steps"]):
+        assert s0["micro_batches"] == s1["micro_batches"] == 4
+        # exactly one gradient all-reduce per optimizer step, during the last micro-batch's backward
+        assert s0["comm_hook_calls"] == s1["comm_hook_calls"] == 1
+        assert s0["micro_at_call"] == s1["micro_at_call"] == [3]
+        # after a non-final micro-step each rank holds only its own gradients...
+        assert len(s0["unsynced_grads"]) == 3
+        for g0, g1 in zip(s0["unsynced_grads"], s1["unsynced_grads"]):
+            assert g0 != g1
+        # ...after the final one, the synchronized (and clipped) gradients are bitwise identical
+        assert s0["synced_grads"] == s1["synced_grads"]
+        assert s0["grad_norm"] == s1["grad_norm"] > 0.05
+        assert s0["params"] == s1["params"]  # bitwise after every step
+        assert s0["loss"] == s1["loss"]
+        assert not set(s0["sample_ids"]) & set(s1["sample_ids"])  # disjoint shares of the step
+
+
+def test_fp16_overflow_on_one_rank_skips_the_step_everywhere(tmp_path: Path) -> None:
+    """Issue 2 test 4, PITFALLS #7: an inf on rank 1 at step 3 -> every rank skips, the scale halves
+    identically, the scheduler does not advance; every other step is a real step."""
+    ranks = probe(tmp_path, 2, "fp16", "precision=fp16", "precision.init_scale=1024",
+                  "scheduler=linear", "scheduler.warmup_steps=3", "train.max_steps=6", inf_step=3)
+    for rank in ranks:
+        steps = rank["steps"]
+        assert [s["stepped"] for s in steps] == [True, True, True, False, True, True]
+        bad, before = steps[3], steps[2]
+        assert bad["scale_after"] == bad["scale_before"] / 2 == 512
+        assert bad["sched_after"] == bad["sched_before"] == 3
+        assert bad["params"] == before["params"]  # the optimizer really did not step
+        assert bad["lr"] == before["lr"]
+        assert all(s["sched_after"] == s["sched_before"] + 1 for i, s in enumerate(steps) if i != 3)
+    for s0, s1 in zip(ranks[0]["steps"], ranks[1]["steps"]):
+        assert (s0["scale_after"], s0["params"], s0["lr"]) == (s1["scale_after"], s1["params"], s1["lr"])

@@ -1,0 +1,61 @@
+"""In-process unit tests: batch math, the data plan, the schedule (PITFALLS #15 #16, issue 2)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from launcher.data import DataPlan, rank_share
+from launcher.plan import ConfigError, grad_accum_steps
+from launcher.schedule import lr_factor
+
+
+def test_grad_accum_is_derived_and_the_error_names_both_keys() -> None:
+    assert grad_accum_steps(32, 4, 2) == 4
+    with pytest.raises(ConfigError, match=r"train\.global_batch_size=30 .*train\.micro_batch_size=4"):
+        grad_accum_steps(30, 4, 2)
+
+
+def test_epochs_reshuffle_reproducibly_per_seed() -> None:
+    plan = DataPlan(n_samples=100, global_batch_size=10, seed=3, drop_last=False)
+    epoch0 = torch.cat([plan.step_indices(s) for s in range(10)])
+    epoch1 = torch.cat([plan.step_indices(s) for s in range(10, 20)])
+    assert sorted(epoch0.tolist()) == sorted(epoch1.tolist()) == list(range(100))
+    assert not torch.equal(epoch0, epoch1)
+    again = DataPlan(n_samples=100, global_batch_size=10, seed=3, drop_last=False)
+    assert torch.equal(epoch0, torch.cat([again.step_indices(s) for s in range(10)]))
+    other_seed = DataPlan(n_samples=100, global_batch_size=10, seed=4, drop_last=False)
+    assert not torch.equal(epoch0, torch.cat([other_seed.step_indices(s) for s in range(10)]))
+
+
+def test_short_last_window_and_drop_last() -> None:
+    keep = DataPlan(n_samples=60, global_batch_size=16, seed=0, drop_last=False)
+    drop = DataPlan(n_samples=60, global_batch_size=16, seed=0, drop_last=True)
+    assert keep.steps_per_epoch == 4 and drop.steps_per_epoch == 3
+    assert [len(keep.step_indices(s)) for s in range(5)] == [16, 16, 16, 12, 16]
+    assert keep.epoch_of(3) == 0 and keep.epoch_of(4) == 1
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_rank_shares_partition_the_step_for_any_world_size(world_size: int) -> None:
+    """The step's samples do not depend on the world size: the shares are a partition of them."""
+    plan = DataPlan(n_samples=60, global_batch_size=16, seed=0, drop_last=False)
+    for step in range(8):
+        indices = plan.step_indices(step)
+        shares = [rank_share(indices, r, world_size) for r in range(world_size)]
+        assert torch.equal(torch.cat(shares), indices)
+        assert max(map(len, shares)) - min(map(len, shares)) <= 1
+
+
+def test_resumed_stream_equals_the_uninterrupted_one() -> None:
+    """The stream is a function of the step, so starting at step 7 continues it exactly (PITFALLS #15)."""
+    plan = DataPlan(n_samples=50, global_batch_size=8, seed=1, drop_last=False)
+    uninterrupted = [plan.step_indices(s).tolist() for s in range(20)]
+    resumed = DataPlan(50, 8, 1, False)
+    assert [resumed.step_indices(s).tolist() for s in range(7, 20)] == uninterrupted[7:]
+
+
+def test_schedules() -> None:
+    assert [lr_factor(s, "constant", 2, 10, 0.0) for s in range(3)] == [0.5, 1.0, 1.0]
+    assert lr_factor(10, "linear", 0, 10, 0.1) == pytest.approx(0.1)
+    assert lr_factor(5, "cosine", 0, 10, 0.0) == pytest.approx(0.5)
+    assert lr_factor(10, "cosine", 0, 10, 0.0) == pytest.approx(0.0)
