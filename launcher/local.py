@@ -25,8 +25,10 @@ def run_local(config_path: Path, plan: Plan, max_restarts: int) -> int:
         torchrun.run(torchrun.parse_args(torchrun_args(config_path, plan, max_restarts)))
     except ChildFailedError as err:
         rank, failure = err.get_first_failure()
-        message = str(failure.message).strip().splitlines() if failure.message else []
-        reason = message[-1] if message else f"exit code {failure.exitcode}"
+        message = failure.message  # from the worker's error file: a dict, or a plain string
+        if isinstance(message, dict):
+            message = message.get("message", "")
+        reason = str(message).strip().splitlines()[-1] if message else f"exit code {failure.exitcode}"
         print(f"error: rank {rank} failed: {reason} (run dir {config_path.parent})", file=sys.stderr)
         return failure.exitcode if failure.exitcode > 0 else 1
     return 0
