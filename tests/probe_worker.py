@@ -2,12 +2,12 @@
 
 It builds the run exactly as launcher.worker does, then drives launcher.step.train_step while recording
 what a test needs: comm-hook calls, gradients after each micro-step, grad norms, param hashes,
-loss scale and LR-scheduler position. Usage: torchrun ... probe_worker.py <config.yaml> <mode> [inf_step]
+loss scale and LR-scheduler position; mode `eval` runs only the launcher's evaluation.
+Usage: torchrun ... probe_worker.py <config.yaml> <sync|fp16|eval> [inf_step]; writes probe_rank<r>.pt
 """
 from __future__ import annotations
 
 import hashlib
-import json
 import sys
 from pathlib import Path
 
@@ -18,6 +18,7 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_
 
 from launcher import dist as launcher_dist
 from launcher.data import StepWindows
+from launcher.loop import evaluate
 from launcher.step import train_step
 from launcher.worker import build
 
@@ -29,8 +30,8 @@ def params_hash(model: torch.nn.Module) -> str:
     return digest.hexdigest()
 
 
-def grads_of(model: torch.nn.Module) -> list[list[float]]:
-    return [p.grad.detach().double().flatten().tolist() for p in model.parameters()]
+def grads_of(model: torch.nn.Module) -> list[torch.Tensor]:
+    return [p.grad.detach().clone() for p in model.parameters()]
 
 
 def main(config_path: str, mode: str, inf_step: int = -1) -> None:
@@ -39,9 +40,13 @@ def main(config_path: str, mode: str, inf_step: int = -1) -> None:
     run = build(cfg, Path(config_path).parent, env)
     out: dict = {"rank": env.rank, "init_params": params_hash(run.model.module),
                  "random_draw": torch.rand(1).item(), "steps": []}
+    if mode == "eval":
+        out["eval"] = evaluate(run)
+        finish(out, config_path, env.rank)
+        return
 
     hook_state = {"calls": 0, "micro_at_call": []}
-    micro = {"index": -1, "step": -1, "snapshots": []}
+    micro = {"index": -1, "step": -1, "snapshots": [], "items": []}
 
     def counting_hook(state, bucket):  # unannotated: DDP rejects the string annotations of __future__
         state["calls"] += 1
@@ -55,6 +60,7 @@ def main(config_path: str, mode: str, inf_step: int = -1) -> None:
         micro["index"] += 1
         if micro["index"] > 0:  # gradients accumulated so far, before this micro-batch's backward
             micro["snapshots"].append(grads_of(run.model.module))
+        micro["items"].append(int(run.task.count_items(batch)))
         loss = task_loss(model, batch)
         if micro["step"] == inf_step and env.rank == 1 and micro["index"] == 0:
             loss = loss * float("inf")  # an overflow on one rank only
@@ -66,7 +72,7 @@ def main(config_path: str, mode: str, inf_step: int = -1) -> None:
 
     windows = StepWindows(run.task, run.data_plan, env.rank, env.world_size, run.grad_accum_steps)
     for step in range(run.max_steps):
-        micro.update(index=-1, step=step, snapshots=[])
+        micro.update(index=-1, step=step, snapshots=[], items=[])
         hook_state.update(calls=0, micro_at_call=[])
         synced.clear()
         scale_before, sched_before = run.scaler.get_scale(), run.scheduler.last_epoch
@@ -76,13 +82,17 @@ def main(config_path: str, mode: str, inf_step: int = -1) -> None:
         out["steps"].append({
             "micro_batches": len(window.micro_batches), "sample_ids": window.sample_ids,
             "comm_hook_calls": hook_state["calls"], "micro_at_call": hook_state["micro_at_call"],
-            "unsynced_grads": micro["snapshots"] if mode == "sync" else [],
-            "synced_grads": synced[0] if synced and mode == "sync" else None,
+            "items_per_micro_batch": micro["items"], "unsynced_grads": micro["snapshots"],
+            "synced_grads": synced[0] if synced else None,
             "grad_norm": result.grad_norm.item(), "loss": result.loss.item(), "stepped": result.stepped,
             "params": params_hash(run.model.module), "scale_before": scale_before,
             "scale_after": run.scaler.get_scale(), "sched_before": sched_before,
             "sched_after": run.scheduler.last_epoch, "lr": run.scheduler.get_last_lr()[0]})
-    Path(config_path).with_name(f"probe_rank{env.rank}.json").write_text(json.dumps(out))
+    finish(out, config_path, env.rank)
+
+
+def finish(out: dict, config_path: str, rank: int) -> None:
+    torch.save(out, Path(config_path).with_name(f"probe_rank{rank}.pt"))
     dist.destroy_process_group()
 
 

@@ -9,17 +9,32 @@ from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
 from conftest import CONF, compose_config
-from launcher.plan import make_plan, resolve
+from launcher.plan import ConfigError, make_plan, resolve
 
 GROUPS = ["model", "optimizer", "scheduler", "precision", "data", "launcher"]
 OPTIONS = [(group, path.stem) for group in GROUPS for path in sorted((CONF / group).glob("*.yaml"))]
 EXPS = sorted(path.stem for path in (CONF / "exp").glob("*.yaml"))
 
 
+JOB_GROUPS = {"model", "data"}  # options that belong to a job: they pair with that job's exp
+REQUIRED = {("data", "files"): ("data.path=train.csv",)}  # `???` keys a user must set
+
+
+def resolves(*overrides: str) -> bool:
+    try:
+        cfg = compose_config(*overrides)
+        resolve(cfg, make_plan(cfg))
+    except ConfigError:
+        return False
+    return True
+
+
 @pytest.mark.parametrize("group,option", OPTIONS, ids=[f"{g}={o}" for g, o in OPTIONS])
 def test_every_group_option_composes(group: str, option: str) -> None:
-    cfg = compose_config(f"{group}={option}")
-    resolve(cfg, make_plan(cfg))
+    """Generic options (optimizer, precision, ...) compose with every exp; job options with their job's."""
+    extra = REQUIRED.get((group, option), ())
+    results = [resolves(f"+exp={exp}", f"{group}={option}", *extra) for exp in EXPS]
+    assert any(results) if group in JOB_GROUPS else all(results), dict(zip(EXPS, results))
 
 
 @pytest.mark.parametrize("exp", EXPS)

@@ -1,0 +1,208 @@
+"""BERT jobs on HF transformers: sequence classification and masked-LM pre-training.
+
+Exercised by: `python -m launcher +exp=bert` and `python -m launcher +exp=bert_mlm`.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+import transformers
+from transformers import (AutoModelForSequenceClassification, AutoTokenizer, BertForMaskedLM,
+                          DataCollatorForTokenClassification, DataCollatorWithPadding)
+
+from jobs.text import GLUE_FIELDS, corpus_lines, load_file_rows, load_hub_rows, sentiment_rows
+
+transformers.utils.logging.disable_progress_bar()
+if os.environ.get("RANK", "0") != "0":  # one load report is enough
+    transformers.logging.set_verbosity_error()
+
+
+def _from_pretrained(cls: Any, pretrained: str, **kwargs: Any) -> Any:
+    try:
+        return cls.from_pretrained(pretrained, **kwargs)
+    except OSError as err:
+        raise ValueError(f"model.pretrained={pretrained} is not a local model dir and could not be loaded "
+                         f"from the hub ({str(err).splitlines()[0][:160]}); offline, give a dir written by "
+                         f"save_pretrained") from None
+
+
+def classification_model(pretrained: str, num_labels: int, dtype: str = "float32") -> torch.nn.Module:
+    """A hub id (bert-base-uncased) or a local dir; the classifier head is new when it has none."""
+    model = _from_pretrained(AutoModelForSequenceClassification, pretrained, num_labels=num_labels)
+    return model.to(getattr(torch, dtype))
+
+
+class BertMaskedLMSum(BertForMaskedLM):
+    """BertForMaskedLM whose forward returns the SUM of the loss over masked tokens (and their logits).
+
+    The vocabulary projection runs only at masked positions: on all positions it is most of the cost.
+    """
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, labels: torch.Tensor,
+                token_type_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        hidden = self.bert(input_ids=input_ids, attention_mask=attention_mask,
+                           token_type_ids=token_type_ids).last_hidden_state
+        masked = labels != -100
+        logits = self.cls(hidden[masked])
+        return F.cross_entropy(_fp32(logits), labels[masked], reduction="sum"), logits
+
+
+def masked_lm_model(pretrained: str, dtype: str = "float32") -> torch.nn.Module:
+    """BERT weights from a hub id or local dir; an MLM head is initialised when the dir has none."""
+    return _from_pretrained(BertMaskedLMSum, pretrained).to(getattr(torch, dtype))
+
+
+def _fp32(logits: torch.Tensor) -> torch.Tensor:
+    """Half-precision logits go to float32 for the loss; float32/float64 stay as they are."""
+    return logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
+
+
+def _inputs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {k: v for k, v in batch.items() if k not in ("labels", "id")}
+
+
+def _tokenize(tokenizer: Any, rows: list[dict[str, Any]], fields: list[str], max_length: int) -> list[dict]:
+    encoded = tokenizer(*[[str(row[f]) for row in rows] for f in fields], truncation=True,
+                        max_length=max_length)
+    return [{"id": i, **{k: encoded[k][i] for k in encoded}} for i in range(len(rows))]
+
+
+class TextClassification:
+    """Sentence(-pair) classification; exact accuracy (and F1 for 2 labels) summed across ranks."""
+
+    eval_sum_keys = ("loss_sum", "count", "correct", "tp", "fp", "fn")
+
+    def __init__(self, tokenizer: str, source: str = "embedded", path: str | None = None,
+                 eval_path: str | None = None, name: str | None = None, task: str | None = None,
+                 eval_split: str = "validation", text_fields: list[str] | None = None,
+                 label_field: str = "label", num_labels: int = 2, max_length: int = 128,
+                 n_train: int = 2000, n_eval: int = 501, seed: int = 0):
+        fields = list(text_fields or (GLUE_FIELDS.get(task or "", ["text"]) if source == "hub" else ["text"]))
+        columns = fields + [label_field]
+        if source == "embedded":
+            train_rows, eval_rows = sentiment_rows(n_train, seed), sentiment_rows(n_eval, seed + 1)
+        elif source == "files":
+            train_rows = load_file_rows(path or "", columns)
+            eval_rows = load_file_rows(eval_path, columns, key="data.eval_path") if eval_path else []
+        elif source == "hub":
+            train_rows = load_hub_rows(name or "", task, "train", columns)
+            eval_rows = load_hub_rows(name or "", task, eval_split, columns)
+        else:
+            raise ValueError(f"data.source={source} is not one of embedded, files, hub")
+        self.num_labels = num_labels
+        names = sorted({row[label_field] for row in train_rows + eval_rows}, key=str)
+        as_int = {n: i for i, n in enumerate(names)} if any(isinstance(n, str) for n in names) else None
+        self.tokenizer = AutoTokenizer.from_pretrained(tokenizer)
+        self.train_set = self._encode(train_rows, fields, label_field, as_int, max_length)
+        self.eval_set = self._encode(eval_rows, fields, label_field, as_int, max_length) or None
+        self.pad = DataCollatorWithPadding(self.tokenizer, return_tensors="pt")
+
+    def _encode(self, rows: list[dict], fields: list[str], label_field: str, as_int: dict | None,
+                max_length: int) -> list[dict]:
+        samples = _tokenize(self.tokenizer, rows, fields, max_length) if rows else []
+        for sample, row in zip(samples, rows):
+            label = as_int[row[label_field]] if as_int else int(row[label_field])
+            if not 0 <= label < self.num_labels:
+                raise ValueError(f"label {row[label_field]!r} is outside data.num_labels={self.num_labels}; "
+                                 f"set data.num_labels to the number of classes")
+            sample["labels"] = label
+        return samples
+
+    def collate(self, samples: list[dict]) -> dict[str, torch.Tensor]:
+        return self.pad([{k: v for k, v in s.items() if k != "id"} for s in samples])
+
+    def count_items(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        return torch.tensor(len(batch["labels"]))
+
+    def loss_sum(self, model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        logits = model(**_inputs(batch)).logits
+        return F.cross_entropy(_fp32(logits), batch["labels"], reduction="sum")
+
+    def eval_sums(self, model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        logits = _fp32(model(**_inputs(batch)).logits)
+        labels, predicted = batch["labels"], logits.argmax(-1)
+        return {"loss_sum": F.cross_entropy(logits, labels, reduction="sum"), "count": self.count_items(batch),
+                "correct": (predicted == labels).sum(), "tp": ((predicted == 1) & (labels == 1)).sum(),
+                "fp": ((predicted == 1) & (labels == 0)).sum(), "fn": ((predicted == 0) & (labels == 1)).sum()}
+
+    def eval_metrics(self, sums: dict[str, float]) -> dict[str, float]:
+        metrics = {"loss": sums["loss_sum"] / sums["count"], "accuracy": sums["correct"] / sums["count"]}
+        if self.num_labels == 2:
+            metrics["f1"] = 2 * sums["tp"] / max(2 * sums["tp"] + sums["fp"] + sums["fn"], 1)
+        return metrics
+
+
+class MaskedLM:
+    """Masked-LM pre-training: 15% of tokens masked (80% [MASK], 10% random, 10% kept), per sample.
+
+    Masks are drawn once per sample from (seed, sample id), so a step's batch, and so the trajectory,
+    does not depend on how the step is split over ranks and micro-batches.
+    """
+
+    eval_sum_keys = ("loss_sum", "count", "correct")
+
+    def __init__(self, tokenizer: str, source: str = "embedded", path: str | None = None,
+                 eval_path: str | None = None, name: str | None = None, task: str | None = None,
+                 eval_split: str = "validation", text_field: str = "text", max_length: int = 128,
+                 mlm_probability: float = 0.15, n_train: int = 4000, n_eval: int = 400, seed: int = 0):
+        if source == "embedded":
+            train_rows, eval_rows = corpus_lines(n_train, seed), corpus_lines(n_eval, seed + 1)
+        elif source == "files":
+            train_rows = _text_file_rows(path or "", text_field, "data.path")
+            eval_rows = _text_file_rows(eval_path, text_field, "data.eval_path") if eval_path else []
+        elif source == "hub":
+            train_rows = load_hub_rows(name or "", task, "train", [text_field])
+            eval_rows = load_hub_rows(name or "", task, eval_split, [text_field])
+        else:
+            raise ValueError(f"data.source={source} is not one of embedded, files, hub")
+        self.tokenizer = AutoTokenizer.from_pretrained(tokenizer)
+        self.seed, self.mlm_probability = seed, mlm_probability
+        self.train_set = [self._mask(s) for s in _tokenize(self.tokenizer, train_rows, [text_field], max_length)]
+        eval_set = _tokenize(self.tokenizer, eval_rows, [text_field], max_length) if eval_rows else []
+        self.eval_set = [self._mask(s, salt=1) for s in eval_set] or None
+        self.pad = DataCollatorForTokenClassification(self.tokenizer, label_pad_token_id=-100,
+                                                      return_tensors="pt")
+
+    def _mask(self, sample: dict, salt: int = 0) -> dict:
+        ids = torch.tensor(sample["input_ids"])
+        generator = torch.Generator().manual_seed((self.seed * 1_000_003 + sample["id"]) * 2 + salt)
+        special = torch.tensor(self.tokenizer.get_special_tokens_mask(sample["input_ids"],
+                                                                      already_has_special_tokens=True)).bool()
+        chosen = (torch.rand(len(ids), generator=generator) < self.mlm_probability) & ~special
+        action = torch.rand(len(ids), generator=generator)
+        random_ids = torch.randint(len(self.tokenizer), ids.shape, generator=generator)
+        inputs = torch.where(chosen & (action < 0.8), self.tokenizer.mask_token_id, ids)
+        inputs = torch.where(chosen & (action >= 0.8) & (action < 0.9), random_ids, inputs)
+        return {**sample, "input_ids": inputs.tolist(), "labels": torch.where(chosen, ids, -100).tolist()}
+
+    def collate(self, samples: list[dict]) -> dict[str, torch.Tensor]:
+        return self.pad([{k: v for k, v in s.items() if k != "id"} for s in samples])
+
+    def count_items(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        return (batch["labels"] != -100).sum()  # the loss tokens: the step normalises by their global count
+
+    def loss_sum(self, model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        return model(**_inputs(batch), labels=batch["labels"])[0]
+
+    def eval_sums(self, model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        loss_sum, logits = model(**_inputs(batch), labels=batch["labels"])
+        targets = batch["labels"][batch["labels"] != -100]
+        return {"loss_sum": loss_sum, "count": self.count_items(batch),
+                "correct": (logits.argmax(-1) == targets).sum()}
+
+    def eval_metrics(self, sums: dict[str, float]) -> dict[str, float]:
+        count = max(sums["count"], 1)
+        return {"loss": sums["loss_sum"] / count, "accuracy": sums["correct"] / count}
+
+
+def _text_file_rows(path: str, field: str, key: str) -> list[dict[str, Any]]:
+    """Plain .txt: one sample per non-empty line; other suffixes go through load_file_rows."""
+    if path.endswith(".txt"):
+        if not Path(path).is_file():
+            raise ValueError(f"{key}={path} does not exist; give a .txt, CSV, JSONL or Parquet file")
+        return [{field: line} for line in Path(path).read_text().splitlines() if line.strip()]
+    return load_file_rows(path, [field], key=key)

@@ -1,0 +1,93 @@
+"""Text rows for the BERT jobs: an embedded offline default, local CSV/JSONL/Parquet files, or a hub dataset.
+
+Rows are plain dicts (text fields + label). The embedded sets are generated deterministically, so
+`python -m launcher +exp=bert` needs no network and no files. Exercised by: tests/test_bert.py.
+"""
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import Any
+
+POSITIVE = ["good", "great", "excellent", "wonderful", "superb", "delightful", "brilliant", "lovely",
+            "fantastic", "charming", "enjoyable", "pleasant", "impressive", "remarkable", "terrific",
+            "beautiful", "outstanding", "moving", "clever", "fun", "solid", "memorable", "fresh", "warm"]
+NEGATIVE = ["bad", "terrible", "awful", "horrible", "dreadful", "boring", "dull", "poor", "weak",
+            "disappointing", "painful", "mediocre", "annoying", "bland", "clumsy", "forgettable", "messy",
+            "tedious", "lifeless", "ugly", "stale", "sloppy", "flat", "pointless"]
+SUBJECTS = ["the movie", "the film", "the plot", "the acting", "the soundtrack", "the ending", "the story",
+            "the script", "the cast", "the dialogue", "this show", "the pacing", "the direction", "the food",
+            "the service", "the book", "the album", "the game", "the hotel", "the trip", "the visuals"]
+ADVERBS = ["", "", "really ", "truly ", "quite ", "very ", "so ", "rather ", "absolutely "]
+TEMPLATES = ["{s} was {a}{w}.", "{s} is {a}{w}.", "i thought {s} was {a}{w}.", "honestly, {s} felt {a}{w}.",
+             "{s} turned out {a}{w}.", "what a {w} experience, {s} was {a}{w}.", "overall {s} seemed {a}{w}.",
+             "my friends said {s} was {a}{w} and they were right.", "{s}? {a}{w}."]
+NEUTRAL = ["we watched it on a sunday evening", "the tickets were bought online", "it lasted about two hours",
+           "we went with a group of friends", "the place was full of people", "it was released last year"]
+
+
+def sentiment_rows(n: int, seed: int) -> list[dict[str, Any]]:
+    """Short reviews labelled 1 (positive) or 0 (negative); one in ten is negated ("was not good")."""
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(n):
+        label = rng.randint(0, 1)
+        negated = rng.random() < 0.1
+        word = rng.choice(POSITIVE if label != negated else NEGATIVE)
+        template = rng.choice(TEMPLATES[:-2] if negated else TEMPLATES)
+        adverb = "not " if negated else rng.choice(ADVERBS)
+        text = template.format(s=rng.choice(SUBJECTS), a=adverb, w=word)
+        if rng.random() < 0.3:
+            text = f"{rng.choice(NEUTRAL)}. {text}"
+        rows.append({"text": text, "label": label})
+    return rows
+
+
+def corpus_lines(n: int, seed: int) -> list[dict[str, Any]]:
+    """A small English-like corpus for masked-LM pre-training (reviews and plain statements)."""
+    rng = random.Random(seed)
+    return [{"text": " ".join(r["text"] for r in sentiment_rows(rng.randint(1, 3), rng.randrange(1 << 30)))}
+            for _ in range(n)]
+
+
+def _check_columns(rows: list[dict[str, Any]], fields: list[str], where: str, key: str) -> None:
+    missing = [f for f in fields if rows and f not in rows[0]]
+    if missing:
+        raise ValueError(f"{key}={fields} but {where} has no column(s) {missing}; "
+                         f"its columns are {sorted(rows[0])}")
+
+
+def load_file_rows(path: str, fields: list[str], key: str = "data.path") -> list[dict[str, Any]]:
+    """Rows of a local CSV, JSON Lines or Parquet file, read with the `datasets` library."""
+    from datasets import load_dataset  # imported here: a slow import the embedded default never needs
+
+    file = Path(path)
+    formats = {".csv": "csv", ".json": "json", ".jsonl": "json", ".parquet": "parquet"}
+    if not file.is_file():
+        raise ValueError(f"{key}={path} does not exist; give a CSV, JSONL or Parquet file")
+    if file.suffix not in formats:
+        raise ValueError(f"{key}={path} has suffix {file.suffix!r}; use one of {sorted(formats)}")
+    rows = load_dataset(formats[file.suffix], data_files=str(file), split="train").to_list()
+    _check_columns(rows, fields, str(file), "data.text_fields/data.label_field")
+    return rows
+
+
+def load_hub_rows(name: str, subset: str | None, split: str, fields: list[str]) -> list[dict[str, Any]]:
+    """Rows of a hub dataset split, e.g. name=nyu-mll/glue subset=mrpc (needs the hub or its cache)."""
+    from datasets import load_dataset
+
+    try:
+        rows = load_dataset(name, subset, split=split).to_list()
+    except Exception as err:  # offline, unknown name, ...: one clear line
+        raise ValueError(f"data.name={name} data.task={subset} could not be loaded ({type(err).__name__}: "
+                         f"{str(err).splitlines()[0][:200]}); it needs the hub or a local copy "
+                         f"(data=files data.path=...)") from None
+    _check_columns(rows, fields, f"{name}/{subset}", "data.text_fields/data.label_field")
+    return rows
+
+
+# GLUE tasks and their text columns, so `data=glue data.task=mrpc` needs nothing else.
+GLUE_FIELDS = {"mrpc": ["sentence1", "sentence2"], "sst2": ["sentence"], "cola": ["sentence"],
+               "rte": ["sentence1", "sentence2"], "qnli": ["question", "sentence"],
+               "qqp": ["question1", "question2"], "wnli": ["sentence1", "sentence2"],
+               "stsb": ["sentence1", "sentence2"]}

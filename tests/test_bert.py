@@ -1,0 +1,119 @@
+"""The BERT jobs with real transformers models (issue 3): MLM normalisation, exact eval, local files,
+and the offline defaults `+exp=bert` / `+exp=bert_mlm` end to end."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import read_metrics, run_cli
+from jobs.bert import MaskedLM, classification_model, masked_lm_model
+from test_distributed_math import probe
+
+pytestmark = pytest.mark.slow
+
+
+def test_mlm_gradient_does_not_depend_on_the_split(tmp_path: Path, tiny_bert: Path) -> None:
+    """World 2 x accum 2 == world 1 x accum 1 (float64) although micro-batches hold different numbers
+    of masked tokens: the loss is normalised by the global count of loss tokens in the step."""
+    common = ("model.dtype=float64", f"model.pretrained={tiny_bert}", "train.global_batch_size=8",
+              "train.max_steps=2", "train.max_grad_norm=null", "data.n_train=64", "data.n_eval=0")
+    split = probe(tmp_path / "w2k2", 2, "sync", *common, "train.micro_batch_size=2", exp="bert_mlm")
+    whole = probe(tmp_path / "w1k1", 1, "sync", *common, "train.micro_batch_size=8", exp="bert_mlm")
+    counts = [c for rank in split for step in rank["steps"] for c in step["items_per_micro_batch"]]
+    assert len(set(counts)) > 1  # uneven token counts: the case where mean/K is wrong
+    for k, (step_split, step_whole) in enumerate(zip(split[0]["steps"], whole[0]["steps"])):
+        # the same masked tokens, split differently: per-sample masks do not depend on the split
+        assert sum(step_whole["items_per_micro_batch"]) == sum(
+            sum(rank["steps"][k]["items_per_micro_batch"]) for rank in split)
+        for a, b in zip(step_split["synced_grads"], step_whole["synced_grads"]):
+            assert a.dtype == torch.float64
+            torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-13)
+        assert step_split["loss"] == pytest.approx(step_whole["loss"], rel=1e-12)
+
+
+def test_mean_over_micro_batches_would_be_wrong_for_mlm(tiny_bert: Path) -> None:
+    """The control: per-micro-batch token means averaged over K differ from the big-batch gradient."""
+    task = MaskedLM(str(tiny_bert), n_train=8, n_eval=0)
+    model = masked_lm_model(str(tiny_bert), dtype="float64")
+    micro = [task.collate(task.train_set[i:i + 2]) for i in range(0, 8, 2)]
+    counts = [int(task.count_items(b)) for b in micro]
+    assert len(set(counts)) > 1
+
+    def grad(loss_fn) -> torch.Tensor:
+        model.zero_grad()
+        loss_fn().backward()
+        return model.bert.embeddings.word_embeddings.weight.grad.clone()
+
+    whole = task.collate(task.train_set[:8])
+    big_batch = grad(lambda: task.loss_sum(model, whole) / task.count_items(whole))
+    by_tokens = grad(lambda: sum(task.loss_sum(model, b) for b in micro) / sum(counts))
+    mean_over_k = grad(lambda: sum(task.loss_sum(model, b) / n for b, n in zip(micro, counts)) / len(micro))
+    torch.testing.assert_close(by_tokens, big_batch, rtol=1e-10, atol=1e-14)
+    assert not torch.allclose(mean_over_k, big_batch, rtol=1e-3, atol=1e-9)
+
+
+def test_eval_metrics_are_exact_for_1_2_and_3_ranks(tmp_path: Path, tiny_bert: Path) -> None:
+    """23 eval samples (divides by none of 2, 3): no padding duplicates, the same metrics everywhere."""
+    common = (f"model.pretrained={tiny_bert}", "data.n_train=24", "data.n_eval=23",
+              "train.global_batch_size=12", "train.micro_batch_size=2")
+    results = [probe(tmp_path / f"w{n}", n, "eval", *common, exp="bert")[0]["eval"] for n in (1, 2, 3)]
+    for result in results:
+        assert result["accuracy"] * 23 == pytest.approx(round(result["accuracy"] * 23), abs=1e-9)
+        assert (result["accuracy"], result["f1"]) == (results[0]["accuracy"], results[0]["f1"])
+        assert result["loss"] == pytest.approx(results[0]["loss"], rel=1e-6)
+
+
+def test_local_csv_and_jsonl_files_train_end_to_end(tmp_path: Path, tiny_bert: Path) -> None:
+    good, bad = ["a great film", "lovely and warm", "truly superb"], ["a dull mess", "awful acting", "so boring"]
+    rows = [{"sentence": t, "sentiment": "pos"} for t in good] + [{"sentence": t, "sentiment": "neg"} for t in bad]
+    (tmp_path / "train.csv").write_text("sentence,sentiment\n" + "".join(
+        f"{r['sentence']},{r['sentiment']}\n" for r in rows * 3))
+    (tmp_path / "dev.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[1:]))
+    run_dir = tmp_path / "run"
+    out = run_cli("+exp=bert", f"model.pretrained={tiny_bert}", "data=files", f"data.path={tmp_path / 'train.csv'}",
+                  f"data.eval_path={tmp_path / 'dev.jsonl'}", "data.text_fields=[sentence]",
+                  "data.label_field=sentiment", "train.max_steps=6", "train.global_batch_size=8",
+                  "train.micro_batch_size=2", "train.log_every=2", f"hydra.run.dir={run_dir}", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-4000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps"] == 6 and set(summary["eval"]) == {"loss", "accuracy", "f1"}
+    assert summary["eval"]["accuracy"] * 5 == pytest.approx(round(summary["eval"]["accuracy"] * 5))
+
+    (tmp_path / "lines.txt").write_text("\n".join(good + bad) * 4)
+    run_dir = tmp_path / "mlm"
+    out = run_cli("+exp=bert_mlm", f"model.pretrained={tiny_bert}", "data.source=files",
+                  f"data.path={tmp_path / 'lines.txt'}", "train.max_steps=3", "train.global_batch_size=4",
+                  "train.micro_batch_size=2", f"hydra.run.dir={run_dir}", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-4000:]
+    assert json.loads((run_dir / "summary.json").read_text())["steps"] == 3
+
+
+def test_a_model_dir_that_does_not_exist_names_the_key() -> None:
+    with pytest.raises(ValueError, match=r"^model\.pretrained=/no/such/bert .*save_pretrained"):
+        classification_model("/no/such/bert", num_labels=2)
+
+
+def test_bert_default_runs_offline_and_learns(tmp_path: Path) -> None:
+    """README's run command, exactly: real MiniLM weights, embedded data, 2 CPU ranks."""
+    out = run_cli("+exp=bert", cwd=tmp_path, timeout=600)
+    assert out.returncode == 0, out.stderr[-4000:]
+    (run_dir,) = (tmp_path / "runs" / "bert").iterdir()
+    assert f"run dir {run_dir}" in out.stdout
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["steps"] == 120
+    assert summary["eval"]["accuracy"] >= 0.85
+    steps = [m for m in read_metrics(run_dir) if "loss" in m]
+    assert all(m["tokens_per_sec"] > 0 for m in steps)
+    print(f"+exp=bert: {summary['wall_time_s']:.0f}s training, eval {summary['eval']}")
+
+
+def test_bert_mlm_default_loss_falls(tmp_path: Path) -> None:
+    out = run_cli("+exp=bert_mlm", cwd=tmp_path, timeout=600)
+    assert out.returncode == 0, out.stderr[-4000:]
+    (run_dir,) = (tmp_path / "runs" / "bert_mlm").iterdir()
+    losses = [m["loss"] for m in read_metrics(run_dir) if "loss" in m]
+    assert losses[-1] < 0.5 * losses[0]
+    print(f"+exp=bert_mlm: loss {losses[0]:.2f} -> {losses[-1]:.2f}")
