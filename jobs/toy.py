@@ -4,6 +4,8 @@ Exercised by: `python -m launcher +exp=toy` (2 CPU ranks, a few seconds).
 """
 from __future__ import annotations
 
+import time
+
 import torch
 from torch import nn
 
@@ -24,7 +26,8 @@ class ToyRegression:
     eval_sum_keys = ("loss_sum", "count")
 
     def __init__(self, n_samples: int = 1024, n_eval: int = 256, in_features: int = 8, out_features: int = 2,
-                 noise: float = 0.05, seed: int = 1234, dtype: str = "float32"):
+                 noise: float = 0.05, seed: int = 1234, dtype: str = "float32", sleep_s: float = 0.0):
+        self.sleep_s = sleep_s  # per loss computation: lets tests signal or kill a run mid-training
         generator = torch.Generator().manual_seed(seed)
         dt = getattr(torch, dtype)
         a = torch.randn(in_features, 16, generator=generator, dtype=dt)
@@ -42,6 +45,8 @@ class ToyRegression:
         return torch.tensor(len(batch["x"]))
 
     def loss_sum(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        if self.sleep_s:
+            time.sleep(self.sleep_s)
         return ((model(batch["x"]) - batch["y"]) ** 2).mean(dim=1).sum()
 
     def eval_sums(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -1,21 +1,62 @@
 """Complete checkpoints only: written to a temp dir, fsynced, renamed to checkpoints/<step>/, marked.
 
-Model weights are safetensors (loadable without unpickling); the rest is a plain torch file.
-Exercised by: `python -m launcher +exp=toy` (look at <run_dir>/checkpoints/).
+Model weights are safetensors (loadable without unpickling); optimizer, scaler, scheduler, train state
+and every rank's RNG state go in train_state.pt, loaded with weights_only=True. The COMPLETE marker
+holds each file's sha256, so a truncated or corrupt checkpoint is never loaded.
+Exercised by: tests/test_resume.py and `python -m launcher +exp=toy train.ckpt_every=50`.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import random
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
+import numpy as np
 import torch
 import torch.distributed as dist
-from safetensors.torch import save_model
+from safetensors.torch import load_model, save_model
+
+from launcher.dist import all_gather_objects
 
 MARKER = "COMPLETE"
+
+
+def complete_steps(run_dir: Path) -> list[int]:
+    """Steps of the complete checkpoints in run_dir, oldest first."""
+    root = run_dir / "checkpoints"
+    if not root.is_dir():
+        return []
+    return sorted(int(p.name) for p in root.iterdir() if p.name.isdigit() and (p / MARKER).is_file())
+
+
+def rng_state() -> dict[str, Any]:
+    np_name, np_keys, np_pos, np_gauss, np_cached = np.random.get_state()
+    state = {"torch": torch.get_rng_state(), "python": random.getstate(),
+             "numpy": [np_name, np_keys.tolist(), np_pos, np_gauss, np_cached]}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    name, keys, pos, gauss, cached = state["numpy"]
+    np.random.set_state((name, np.array(keys, dtype=np.uint32), pos, gauss, cached))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def _fsync(path: Path) -> None:
@@ -26,8 +67,10 @@ def _fsync(path: Path) -> None:
         os.close(fd)
 
 
-def save(run_dir: Path, step: int, model: torch.nn.Module, train_state: dict[str, Any], is_main: bool) -> Path:
-    """Every rank calls this; rank 0 writes, and the barrier keeps all ranks until the files are there."""
+def save(run_dir: Path, step: int, model: torch.nn.Module, train_state: dict[str, Any], is_main: bool,
+         keep: int) -> Path:
+    """Every rank calls this (it gathers every rank's RNG state); rank 0 writes; all wait for the files."""
+    rng_states = all_gather_objects(rng_state())
     root = run_dir / "checkpoints"
     final = root / str(step)
     if is_main:
@@ -35,12 +78,43 @@ def save(run_dir: Path, step: int, model: torch.nn.Module, train_state: dict[str
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
         save_model(model, str(tmp / "model.safetensors"))  # handles tied weights
-        torch.save(train_state, tmp / "train_state.pt")
-        (tmp / MARKER).write_text(json.dumps({"step": step}) + "\n")
+        torch.save({**train_state, "rng": rng_states}, tmp / "train_state.pt")
+        files = {p.name: _sha256(p) for p in sorted(tmp.iterdir())}
+        (tmp / MARKER).write_text(json.dumps({"step": step, "sha256": files}) + "\n")
         for item in (*tmp.iterdir(), tmp):
             _fsync(item)
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)  # atomic: a reader sees no dir or a complete one
         _fsync(root)
+        for old in complete_steps(run_dir)[:-keep]:
+            shutil.rmtree(root / str(old))
     dist.barrier()
     return final
+
+
+def _verify(step_dir: Path) -> None:
+    """Raise unless every file of the checkpoint matches the checksum its marker recorded."""
+    recorded = json.loads((step_dir / MARKER).read_text())["sha256"]
+    for name, digest in recorded.items():
+        if _sha256(step_dir / name) != digest:
+            raise ValueError(f"{name} does not match its checksum")
+
+
+def load_latest(run_dir: Path, model: torch.nn.Module, warn: Callable[[str], None]) -> dict[str, Any] | None:
+    """Load the newest readable checkpoint into model (all ranks agree on rank 0's choice)."""
+    choice = [None]
+    if dist.get_rank() == 0:
+        for step in reversed(complete_steps(run_dir)):
+            try:
+                _verify(run_dir / "checkpoints" / str(step))
+                choice = [step]
+                break
+            except Exception as err:  # truncated, corrupt, unreadable: fall back, say so
+                warn(f"warning: checkpoint {run_dir / 'checkpoints' / str(step)} is unusable "
+                     f"({type(err).__name__}: {str(err).splitlines()[0][:120]}); trying the previous one")
+    dist.broadcast_object_list(choice, src=0)
+    if choice[0] is None:
+        return None
+    step_dir = run_dir / "checkpoints" / str(choice[0])
+    load_model(model, str(step_dir / "model.safetensors"))
+    return torch.load(step_dir / "train_state.pt", weights_only=True, map_location="cpu")

@@ -20,6 +20,7 @@ from omegaconf import DictConfig
 
 from launcher.local import run_local
 from launcher.plan import ConfigError, Plan, make_plan, resolve, write_config
+from launcher.resume import check_resume
 from launcher.schema import register
 
 register()
@@ -55,14 +56,16 @@ def main(cfg: DictConfig) -> None:
     try:
         plan = make_plan(cfg)
         config = resolve(cfg, plan)
+        resume_step = check_resume(run_dir, config)
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         discard_if_fresh(run_dir)
         sys.exit(2)
     config_path = write_config(run_dir, config)
     write_launch_record(run_dir, plan)
+    resuming = "" if resume_step is None else f" | resuming (latest checkpoint: step {resume_step})"
     print(f"run dir {run_dir} | {plan.world_size} worker(s) on {plan.device_type} | "
-          f"grad accum {plan.grad_accum_steps}", flush=True)
-    code = run_local(config_path, plan, cfg.launcher.max_restarts)
+          f"grad accum {plan.grad_accum_steps}{resuming}", flush=True)
+    code = run_local(config_path, plan, cfg.launcher)
     if code:
         sys.exit(code)

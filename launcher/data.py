@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import torch
 from torch.utils.data import DataLoader, Dataset
@@ -86,10 +86,11 @@ def _keep(window: Window) -> Window:
     return window
 
 
-def window_loader(windows: StepWindows, steps: Iterable[int], num_workers: int, pin_memory: bool) -> DataLoader:
+def window_loader(windows: StepWindows, steps: Iterable[int], num_workers: int, pin_memory: bool,
+                  worker_init_fn: Callable[[int], None] | None = None) -> DataLoader:
     """Windows of the given steps, prepared ahead by `num_workers` processes."""
     return DataLoader(windows, batch_size=None, sampler=list(steps), collate_fn=_keep,
-                      num_workers=num_workers, pin_memory=pin_memory,
+                      num_workers=num_workers, pin_memory=pin_memory, worker_init_fn=worker_init_fn,
                       persistent_workers=False, prefetch_factor=2 if num_workers else None)
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -36,10 +37,24 @@ def init(backend: str, timeout_s: float) -> DistEnv:
         device = torch.device("cpu")
     if backend == "auto":
         backend = "nccl" if device.type == "cuda" else "gloo"
+    timeout = timedelta(seconds=timeout_s)
     # The timeout turns a rank that never enters a collective into an error, not a 30-minute hang.
-    dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s),
+    dist.init_process_group(backend, store=_attempt_store(rank, world_size, timeout), rank=rank,
+                            world_size=world_size, timeout=timeout,
                             device_id=device if device.type == "cuda" else None)
     return DistEnv(rank=rank, local_rank=local_rank, world_size=world_size, device=device)
+
+
+def _attempt_store(rank: int, world_size: int, timeout: timedelta) -> dist.Store:
+    """The env:// store, with keys prefixed by torchrun's restart count.
+
+    After an elastic restart the agent's store still holds the previous attempt's peer addresses, and
+    the new workers would dial dead ones ("Connection refused", pytorch#167288).
+    """
+    on_agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"  # torchrun hosts it
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
+                          is_master=not on_agent and rank == 0, timeout=timeout)
+    return dist.PrefixStore(f"launcher/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
 
 
 def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
@@ -48,8 +63,8 @@ def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
-def all_gather_strings(text: str) -> list[str]:
-    """Every rank's string, in rank order (used once at start to compare config hashes)."""
-    gathered: list[str | None] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, text)
-    return [str(item) for item in gathered]
+def all_gather_objects(item: Any) -> list[Any]:
+    """Every rank's (picklable) item, in rank order; every rank must call it."""
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, item)
+    return gathered

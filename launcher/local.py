@@ -1,34 +1,59 @@
 """Run the workers on this machine through torchrun's elastic agent, inside the parent process.
 
 `--standalone` gives a c10d rendezvous on a free localhost port, so two jobs on one host never clash
-on 29500. Exercised by: `python -m launcher +exp=toy launcher.nproc_per_node=2`.
+on 29500. The agent relays SIGTERM and the preemption signal to every worker and gives them
+`launcher.shutdown_timeout_s` to checkpoint. Exercised by: `python -m launcher +exp=toy`.
 """
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
+from omegaconf import DictConfig
 from torch.distributed import run as torchrun
+from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
 from launcher.plan import Plan
+from launcher.preempt import PREEMPTED_FILE, REQUEUE_EXIT_CODE, preemption_signals
 
 
-def torchrun_args(config_path: Path, plan: Plan, max_restarts: int) -> list[str]:
+def torchrun_args(config_path: Path, plan: Plan, launcher: DictConfig) -> list[str]:
+    relayed = {"SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", *(s.name for s in preemption_signals(launcher.signal))}
     return ["--standalone", f"--nnodes={plan.nnodes}", f"--nproc-per-node={plan.nproc_per_node}",
-            f"--max-restarts={max_restarts}", "--module", "launcher.worker", str(config_path)]
+            f"--max-restarts={launcher.max_restarts}", f"--signals-to-handle={','.join(sorted(relayed))}",
+            f"--shutdown-timeout={launcher.shutdown_timeout_s}", "--module", "launcher.worker", str(config_path)]
 
 
-def run_local(config_path: Path, plan: Plan, max_restarts: int) -> int:
-    """Start the agent and wait; returns the exit code (0, or the first failed rank's)."""
+def preempted_step(run_dir: Path) -> int | None:
+    marker = run_dir / PREEMPTED_FILE
+    return json.loads(marker.read_text())["step"] if marker.exists() else None
+
+
+def run_local(config_path: Path, plan: Plan, launcher: DictConfig) -> int:
+    """Start the agent and wait; returns the exit code: 0, REQUEUE_EXIT_CODE, or the failed rank's."""
+    run_dir = config_path.parent
+    (run_dir / PREEMPTED_FILE).unlink(missing_ok=True)  # a marker from an earlier launch means nothing now
     try:
-        torchrun.run(torchrun.parse_args(torchrun_args(config_path, plan, max_restarts)))
+        torchrun.run(torchrun.parse_args(torchrun_args(config_path, plan, launcher)))
+    except SignalException as err:  # the agent relayed it and waited for the workers' checkpoint
+        code = 128 + int(err.sigval)
     except ChildFailedError as err:
         rank, failure = err.get_first_failure()
-        message = failure.message  # from the worker's error file: a dict, or a plain string
-        if isinstance(message, dict):
-            message = message.get("message", "")
-        reason = str(message).strip().splitlines()[-1] if message else f"exit code {failure.exitcode}"
-        print(f"error: rank {rank} failed: {reason} (run dir {config_path.parent})", file=sys.stderr)
-        return failure.exitcode if failure.exitcode > 0 else 1
-    return 0
+        code = failure.exitcode if failure.exitcode > 0 else 1
+        if code != REQUEUE_EXIT_CODE:
+            message = failure.message  # from the worker's error file: a dict, or a plain string
+            if isinstance(message, dict):
+                message = message.get("message", "")
+            reason = str(message).strip().splitlines()[-1] if message else f"exit code {failure.exitcode}"
+            print(f"error: rank {rank} failed: {reason} (run dir {run_dir})", file=sys.stderr)
+            return code
+    else:
+        code = 0
+    step = preempted_step(run_dir)
+    if step is not None:
+        print(f"preempted: checkpoint saved at step {step}; relaunch with hydra.run.dir={run_dir} to resume "
+              f"(exit code {REQUEUE_EXIT_CODE})", file=sys.stderr)
+        return REQUEUE_EXIT_CODE
+    return code

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass
+from functools import partial
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -15,9 +16,10 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from launcher import checkpoint
 from launcher.data import DataPlan, StepWindows, eval_batches, window_loader
-from launcher.dist import DistEnv, all_reduce_sum
+from launcher.dist import DistEnv, all_gather_objects, all_reduce_sum
 from launcher.metrics import RunLog
 from launcher.precision import Precision
+from launcher.preempt import StopFlag, ignore_in_data_workers
 from launcher.step import train_step
 from launcher.task import Task
 
@@ -41,6 +43,10 @@ class Run:
     max_grad_norm: float | None
     log_every: int
     eval_every: int
+    ckpt_every: int
+    keep_checkpoints: int
+    max_bad_steps: int
+    log_samples: bool
     num_workers: int
     log: RunLog
     config_hash: str
@@ -68,60 +74,100 @@ def _on(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
     return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
 
 
-def train(run: Run, start_step: int = 0) -> dict[str, Any]:
-    """Train from start_step to max_steps; returns the summary (also written by rank 0)."""
+@dataclass
+class Progress:
+    """Where training stands; saved in every checkpoint, restored on resume."""
+
+    step: int = 0  # optimizer steps done (windows consumed, skipped steps included)
+    samples: int = 0  # samples consumed
+    skipped_steps: int = 0
+    bad_in_a_row: int = 0  # consecutive steps with non-finite gradients
+
+
+def train(run: Run, progress: Progress, stop: StopFlag) -> dict[str, Any]:
+    """Train from progress.step to max_steps; returns the summary (also written by rank 0).
+
+    A preemption request ends the loop at the next step boundary with a complete checkpoint.
+    """
+    resumed_from = progress.step
     windows = StepWindows(run.task, run.data_plan, run.env.rank, run.env.world_size, run.grad_accum_steps)
-    loader = window_loader(windows, range(start_step, run.max_steps), run.num_workers,
-                           pin_memory=run.env.device.type == "cuda")
+    loader = window_loader(windows, range(progress.step, run.max_steps), run.num_workers,
+                           pin_memory=run.env.device.type == "cuda",
+                           worker_init_fn=partial(ignore_in_data_workers, signals=stop.signals))
     started = last_log = time.perf_counter()
-    samples = total_samples = skipped = interval_steps = 0
+    interval_samples = interval_steps = launch_samples = 0
     interval_loss = torch.zeros((), device=run.env.device)
     tokens = torch.zeros((), device=run.env.device)
-    step, loss, eval_metrics = start_step, float("nan"), {}
-    for step, window in enumerate(loader, start=start_step + 1):  # step: optimizer steps done
+    loss, preempted = float("nan"), False
+    for window in loader:
         result = train_step(run.model, run.task, window, run.optimizer, run.scheduler, run.scaler,
-                            run.precision, run.max_grad_norm, run.env.device)
-        skipped += not result.stepped
-        samples += window.step_samples
+                            run.precision, run.max_grad_norm, run.env.device, stop_requested=stop.requested)
+        progress.step += 1
+        step = progress.step
+        progress.samples += window.step_samples
+        progress.skipped_steps += not result.stepped
+        progress.bad_in_a_row = 0 if result.stepped else progress.bad_in_a_row + 1
+        if progress.bad_in_a_row >= run.max_bad_steps:  # the flag is agreed: every rank stops here
+            raise RuntimeError(f"{progress.bad_in_a_row} consecutive steps had non-finite gradients "
+                               f"(train.max_bad_steps={run.max_bad_steps}); the last complete checkpoint "
+                               f"is kept in {run.run_dir / 'checkpoints'}")
+        interval_samples += window.step_samples
+        launch_samples += window.step_samples
         interval_loss += result.loss
         interval_steps += 1
         if result.tokens is not None:
             tokens += result.tokens
+        if run.log_samples:
+            run.log.samples(step, all_gather_objects(window.sample_ids))
 
         if step % run.log_every == 0 or step == run.max_steps:
             elapsed = time.perf_counter() - last_log
             loss = (interval_loss / interval_steps).item()  # mean over the steps since the last log
             record = {"step": step, "epoch": run.data_plan.epoch_of(step - 1), "loss": loss,
                       "lr": run.scheduler.get_last_lr()[0], "grad_norm": result.grad_norm.item(),
-                      "samples_per_sec": samples / elapsed, "skipped_steps": skipped}
+                      "samples_per_sec": interval_samples / elapsed, "skipped_steps": progress.skipped_steps}
             if result.tokens is not None:  # every rank enters: the cadence is the same everywhere
                 record["tokens_per_sec"] = all_reduce_sum(tokens).item() / elapsed
             if run.scaler.is_enabled():
                 record["loss_scale"] = run.scaler.get_scale()
             run.log.metrics(record, run.max_steps)
-            total_samples += samples
-            samples, interval_steps, last_log = 0, 0, time.perf_counter()
+            interval_samples, interval_steps, last_log = 0, 0, time.perf_counter()
             interval_loss.zero_()
             tokens.zero_()
 
+        if result.stop:  # agreed by all ranks in the step's all-reduce
+            checkpoint.save(run.run_dir, step, run.model.module, train_state(run, progress), run.env.is_main,
+                            run.keep_checkpoints)
+            run.log.preempted(step, stop.signum)
+            preempted = True
+            break
         if run.eval_every and step % run.eval_every == 0 and step != run.max_steps:
             run.log.metrics({"step": step, "eval": evaluate(run)}, run.max_steps)
+        if run.ckpt_every and step % run.ckpt_every == 0 and step != run.max_steps:
+            checkpoint.save(run.run_dir, step, run.model.module, train_state(run, progress), run.env.is_main,
+                            run.keep_checkpoints)
 
-    eval_metrics = evaluate(run)
-    if eval_metrics:
-        run.log.metrics({"step": step, "eval": eval_metrics}, run.max_steps)
     wall = time.perf_counter() - started
-    ckpt = checkpoint.save(run.run_dir, step, run.model.module, train_state(run, step), run.env.is_main)
-    summary = {"steps": step, "final_loss": loss, "eval": eval_metrics, "wall_time_s": wall,
-               "samples_per_sec": total_samples / wall if wall else 0.0, "world_size": run.env.world_size,
-               "grad_accum_steps": run.grad_accum_steps, "precision": run.precision.name,
-               "skipped_steps": skipped, "restarts": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)),
-               "config_hash": run.config_hash, "checkpoint": str(ckpt)}
+    summary = {"steps": progress.step, "final_loss": loss, "preempted": preempted, "resumed_from": resumed_from,
+               "wall_time_s": wall, "samples_per_sec": launch_samples / wall if wall else 0.0,
+               "world_size": run.env.world_size, "grad_accum_steps": run.grad_accum_steps,
+               "precision": run.precision.name, "skipped_steps": progress.skipped_steps,
+               "restarts": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)), "config_hash": run.config_hash}
+    if preempted:
+        return summary
+    summary["eval"] = evaluate(run)
+    if summary["eval"]:
+        run.log.metrics({"step": progress.step, "eval": summary["eval"]}, run.max_steps)
+    if progress.step > resumed_from:  # else the final checkpoint is already there
+        checkpoint.save(run.run_dir, progress.step, run.model.module, train_state(run, progress),
+                        run.env.is_main, run.keep_checkpoints)
+    summary["checkpoint"] = str(run.run_dir / "checkpoints" / str(progress.step))
     run.log.summary(summary)
     return summary
 
 
-def train_state(run: Run, step: int) -> dict[str, Any]:
-    """Everything besides the weights that a resume needs."""
-    return {"step": step, "optimizer": run.optimizer.state_dict(), "scheduler": run.scheduler.state_dict(),
-            "scaler": run.scaler.state_dict()}
+def train_state(run: Run, progress: Progress) -> dict[str, Any]:
+    """Everything besides the weights that an exact resume needs (RNG states are added by the save)."""
+    return {"progress": asdict(progress), "optimizer": run.optimizer.state_dict(),
+            "scheduler": run.scheduler.state_dict(), "scaler": run.scaler.state_dict(),
+            "config_hash": run.config_hash, "world_size": run.env.world_size}

@@ -1,6 +1,7 @@
 """The one place that writes run files and prints: rank 0 only, a no-op on every other rank.
 
-metrics.jsonl gets one JSON object per logged step; summary.json the end of the run.
+metrics.jsonl gets one JSON object per logged step; summary.json the end of the run; samples.jsonl
+(with train.log_samples) every step's sample ids; preempted.json a preemption's step.
 Exercised by: `python -m launcher +exp=toy` (look at <run_dir>/metrics.jsonl).
 """
 from __future__ import annotations
@@ -11,16 +12,44 @@ import time
 from pathlib import Path
 from typing import Any
 
+from launcher.preempt import PREEMPTED_FILE
+
 
 class RunLog:
     def __init__(self, run_dir: Path, enabled: bool):
         self.run_dir, self.enabled = run_dir, enabled
         self.start = time.time()
-        self._metrics = open(run_dir / "metrics.jsonl", "a") if enabled else None
+        self._metrics = self._samples = None
+
+    def start_at(self, step: int) -> None:
+        """Keep only the records up to `step`: later ones belong to work a restart threw away."""
+        if not self.enabled:
+            return
+        for name in ("metrics.jsonl", "samples.jsonl"):
+            path = self.run_dir / name
+            if path.exists():
+                kept = [line for line in path.read_text().splitlines() if json.loads(line)["step"] <= step]
+                path.write_text("".join(line + "\n" for line in kept))
+        self._metrics = open(self.run_dir / "metrics.jsonl", "a")
 
     def info(self, message: str) -> None:
         if self.enabled:
             print(message, file=sys.stdout, flush=True)
+
+    def warn(self, message: str) -> None:
+        if self.enabled:
+            print(message, file=sys.stderr, flush=True)
+
+    def samples(self, step: int, ids_per_rank: list[list[int]]) -> None:
+        if self.enabled:
+            self._samples = self._samples or open(self.run_dir / "samples.jsonl", "a")
+            self._samples.write(json.dumps({"step": step, "sample_ids": sum(ids_per_rank, [])}) + "\n")
+            self._samples.flush()
+
+    def preempted(self, step: int, signum: int) -> None:
+        if self.enabled:
+            (self.run_dir / PREEMPTED_FILE).write_text(json.dumps({"step": step, "signal": signum}) + "\n")
+            self.info(f"preempted by signal {signum}: checkpoint saved at step {step}")
 
     def metrics(self, record: dict[str, Any], total_steps: int) -> None:
         if not self.enabled:
@@ -40,8 +69,9 @@ class RunLog:
                   f"{_fmt(record['final_loss'])}; run dir {self.run_dir}")
 
     def close(self) -> None:
-        if self._metrics:
-            self._metrics.close()
+        for file in (self._metrics, self._samples):
+            if file:
+                file.close()
 
 
 def _fmt(value: Any) -> str:

@@ -5,9 +5,8 @@ Exercised by: `python -m launcher +exp=toy train.global_batch_size=30` (fails: n
 """
 from __future__ import annotations
 
-import hashlib
-import json
 import os
+import signal
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -52,9 +51,15 @@ def make_plan(cfg: DictConfig, nnodes: int = 1) -> Plan:
     _require_positive(cfg, "train.global_batch_size", "train.micro_batch_size", "train.max_steps",
                       "train.log_every", "launcher.nproc_per_node", "dist.timeout_s",
                       "optimizer.lr", "train.max_grad_norm")
-    for key in ("train.eval_every", "train.num_workers", "scheduler.warmup_steps", "launcher.max_restarts"):
+    _require_positive(cfg, "train.keep_checkpoints", "train.max_bad_steps", "launcher.shutdown_timeout_s")
+    for key in ("train.eval_every", "train.ckpt_every", "train.num_workers", "scheduler.warmup_steps",
+                "launcher.max_restarts"):
         if OmegaConf.select(cfg, key) < 0:
             raise ConfigError(f"{key}={OmegaConf.select(cfg, key)} must be >= 0")
+    name = str(cfg.launcher.signal).upper().removeprefix("SIG")
+    if not isinstance(getattr(signal, "SIG" + name, None), signal.Signals) or name in ("KILL", "STOP"):
+        raise ConfigError(f"launcher.signal={cfg.launcher.signal} is not a signal that can be caught; "
+                          f"use USR2 (the default), USR1 or TERM")
     gpus = torch.cuda.device_count()
     device_type = "cuda" if gpus else "cpu"
     nproc = cfg.launcher.nproc_per_node or (gpus if gpus else 2)
@@ -83,12 +88,6 @@ def resolve(cfg: DictConfig, plan: Plan) -> dict[str, Any]:
         raise ConfigError(f"cannot resolve the config: {str(err).splitlines()[0]}") from None
     container["plan"] = asdict(plan)
     return container
-
-
-def config_hash(config: dict[str, Any]) -> str:
-    """Hash of what decides the trajectory: everything but the plan and the launcher."""
-    relevant = {k: v for k, v in config.items() if k not in ("plan", "launcher")}
-    return hashlib.sha256(json.dumps(relevant, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def write_config(run_dir: Path, config: dict[str, Any]) -> Path:

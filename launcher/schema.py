@@ -22,6 +22,12 @@ class PrecisionName(str, Enum):
     fp16 = "fp16"
 
 
+class ResumeMode(str, Enum):
+    auto = "auto"  # the latest complete checkpoint if there is one, else fresh
+    never = "never"  # fresh; refuse a run dir that already holds checkpoints
+    must = "must"  # fail fast when there is no checkpoint
+
+
 class ScheduleName(str, Enum):
     constant = "constant"
     linear = "linear"
@@ -38,7 +44,11 @@ class TrainConfig:
     max_grad_norm: Optional[float] = 1.0  # null disables clipping (the norm is still logged)
     log_every: int = 10
     eval_every: int = 0  # 0: evaluate only at the end
+    ckpt_every: int = 0  # 0: checkpoint only at the end (and on preemption)
+    keep_checkpoints: int = 2  # complete checkpoints kept; older ones are deleted
+    max_bad_steps: int = 20  # consecutive steps with non-finite gradients before the run stops
     num_workers: int = 0  # DataLoader worker processes per rank
+    log_samples: bool = False  # write every step's sample ids to samples.jsonl (for audits and tests)
 
 
 @dataclass
@@ -60,6 +70,8 @@ class LauncherConfig:
     name: str = "local"
     nproc_per_node: Optional[int] = None  # null: one per GPU, or 2 CPU workers when there is no GPU
     max_restarts: int = 0  # torchrun's elastic restarts of the whole worker group
+    signal: str = "USR2"  # preemption signal besides SIGTERM (NCCL may own USR1)
+    shutdown_timeout_s: int = 120  # after a signal, how long workers may take to checkpoint and exit
 
 
 @dataclass
@@ -73,6 +85,12 @@ class DistConfig:
 
 
 @dataclass
+class ResumeConfig:
+    mode: ResumeMode = ResumeMode.auto
+    allow_config_change: bool = False  # resume checkpoints trained with a different config
+
+
+@dataclass
 class Config:
     name: str = "run"  # the experiment's name; part of the run dir
     model: Any = MISSING
@@ -83,6 +101,7 @@ class Config:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     launcher: LauncherConfig = field(default_factory=LauncherConfig)
     dist: DistConfig = field(default_factory=DistConfig)
+    resume: ResumeConfig = field(default_factory=ResumeConfig)
 
 
 def package_dir(name: str) -> str:

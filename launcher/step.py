@@ -21,12 +21,14 @@ class StepResult:
     loss: torch.Tensor  # mean loss over every item of the step on all ranks (on the device)
     grad_norm: torch.Tensor  # norm of the synchronized, unscaled gradients before clipping
     stepped: bool  # False when any rank saw a non-finite gradient: the step was skipped everywhere
+    stop: bool  # some rank was asked to stop (preemption): all ranks stop after this step
     tokens: torch.Tensor | None  # non-pad tokens this rank processed (text jobs)
 
 
 def train_step(model: DDP, task: Task, window: Window, optimizer: torch.optim.Optimizer,
                scheduler: torch.optim.lr_scheduler.LRScheduler, scaler: torch.amp.GradScaler,
-               precision: Precision, max_grad_norm: float | None, device: torch.device) -> StepResult:
+               precision: Precision, max_grad_norm: float | None, device: torch.device,
+               stop_requested: bool = False) -> StepResult:
     batches = [to_device(b, device) for b in window.micro_batches]
     weight = 0.0 if window.padding else 1.0
     world_size = torch.distributed.get_world_size()
@@ -50,9 +52,12 @@ def train_step(model: DDP, task: Task, window: Window, optimizer: torch.optim.Op
     grad_norm = torch.nn.utils.get_total_norm(grads)
     if max_grad_norm:
         torch.nn.utils.clip_grads_with_norm_(model.parameters(), max_grad_norm, grad_norm)
-    # One all-reduce: every rank learns whether any rank saw inf/nan (so all skip together) and the loss.
-    stats = all_reduce_sum(torch.stack([(~torch.isfinite(grad_norm)).float(), loss_sum]))
-    stepped = not bool(stats[0])  # the step's one host sync
+    # One all-reduce: every rank learns whether any rank saw inf/nan (so all skip together), whether any
+    # rank was asked to stop (so all stop at this step boundary), and the step's loss.
+    stats = all_reduce_sum(torch.stack([(~torch.isfinite(grad_norm)).float(), loss_sum,
+                                        torch.tensor(float(stop_requested), device=device)]))
+    nonfinite, _, stop = stats.tolist()  # the step's one host sync
+    stepped = nonfinite == 0
     if stepped:
         optimizer.step()
     scaler.update()  # fp16: halves the scale after a skip (same on all ranks); no-op otherwise
@@ -60,5 +65,5 @@ def train_step(model: DDP, task: Task, window: Window, optimizer: torch.optim.Op
         scheduler.step()
     optimizer.zero_grad(set_to_none=True)
     tokens = [count_tokens(b) for b in batches]
-    return StepResult(loss=stats[1] / n_items, grad_norm=grad_norm, stepped=stepped,
+    return StepResult(loss=stats[1] / n_items, grad_norm=grad_norm, stepped=stepped, stop=stop > 0,
                       tokens=None if tokens[0] is None else sum(tokens) * weight)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import random
 import sys
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -16,12 +17,15 @@ from omegaconf import DictConfig, OmegaConf
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from launcher import checkpoint
 from launcher import dist as launcher_dist
 from launcher.data import DataPlan
-from launcher.loop import Run, train
+from launcher.loop import Progress, Run, train
 from launcher.metrics import RunLog
-from launcher.plan import config_hash, grad_accum_steps
+from launcher.plan import grad_accum_steps
 from launcher.precision import Precision
+from launcher.preempt import REQUEUE_EXIT_CODE, StopFlag, preemption_signals
+from launcher.resume import config_hash
 from launcher.schedule import build_scheduler
 
 
@@ -59,29 +63,59 @@ def build(cfg: DictConfig, run_dir: Path, env: launcher_dist.DistEnv) -> Run:
                                                  env.world_size),
                micro_batch_size=train_cfg.micro_batch_size, max_steps=train_cfg.max_steps,
                max_grad_norm=train_cfg.max_grad_norm, log_every=train_cfg.log_every,
-               eval_every=train_cfg.eval_every, num_workers=train_cfg.num_workers,
+               eval_every=train_cfg.eval_every, ckpt_every=train_cfg.ckpt_every,
+               keep_checkpoints=train_cfg.keep_checkpoints, max_bad_steps=train_cfg.max_bad_steps,
+               log_samples=train_cfg.log_samples, num_workers=train_cfg.num_workers,
                log=RunLog(run_dir, enabled=env.is_main), config_hash=config_hash(OmegaConf.to_container(cfg)))
+
+
+def restore(run: Run, state: dict[str, Any] | None, seed: int, allow_config_change: bool) -> Progress:
+    """Optimizer, scheduler, scaler, RNG and progress from a checkpoint (weights are already loaded)."""
+    if state is None:
+        return Progress()
+    if state["config_hash"] != run.config_hash and not allow_config_change:
+        raise RuntimeError(f"the checkpoint was trained with config {state['config_hash']}, this run is "
+                           f"{run.config_hash}; set resume.allow_config_change=true to resume anyway")
+    run.optimizer.load_state_dict(state["optimizer"])
+    run.scheduler.load_state_dict(state["scheduler"])
+    if state["scaler"] and run.scaler.is_enabled():
+        run.scaler.load_state_dict(state["scaler"])
+    progress = Progress(**state["progress"])
+    if len(state["rng"]) == run.env.world_size:  # the same ranks: continue each rank's random stream
+        checkpoint.set_rng_state(state["rng"][run.env.rank])
+    else:  # another world size: fresh, still deterministic per-rank streams
+        seed_all((seed * 1_000_003 + run.env.rank) * 1_000_003 + progress.step)
+    run.log.info(f"resumed from step {progress.step} ({run.run_dir / 'checkpoints' / str(progress.step)})")
+    return progress
 
 
 @record  # the agent reports this worker's traceback in its failure summary
 def main(config_path: str) -> None:
     path = Path(config_path).resolve()
     cfg = OmegaConf.load(path)
+    stop = StopFlag(preemption_signals(cfg.launcher.signal))  # first: a signal during start-up is kept
     env = launcher_dist.init(cfg.dist.backend, cfg.dist.timeout_s)
     try:
         if env.world_size != cfg.plan.world_size:
             raise RuntimeError(f"WORLD_SIZE={env.world_size} but the plan in {path} says "
                                f"{cfg.plan.world_size}; relaunch with python -m launcher")
         run = build(cfg, path.parent, env)
-        hashes = launcher_dist.all_gather_strings(run.config_hash)
+        hashes = launcher_dist.all_gather_objects(run.config_hash)
         if len(set(hashes)) != 1:  # every rank must train the same config (hydra#2070)
             raise RuntimeError(f"ranks read different configs: {hashes}")
+        state = None
+        if cfg.resume.mode != "never":
+            state = checkpoint.load_latest(path.parent, run.model.module, run.log.warn)
+        progress = restore(run, state, cfg.train.seed, cfg.resume.allow_config_change)
+        run.log.start_at(progress.step)
         run.log.info(f"run dir {path.parent} | world size {env.world_size} | grad accum "
                      f"{run.grad_accum_steps} | precision {run.precision.name} | config {hashes[0]}")
-        train(run)
+        summary = train(run, progress, stop)
         run.log.close()
     finally:
         dist.destroy_process_group()
+    if summary["preempted"]:
+        sys.exit(REQUEUE_EXIT_CODE)
 
 
 if __name__ == "__main__":

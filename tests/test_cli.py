@@ -11,7 +11,7 @@ from omegaconf import OmegaConf
 from safetensors.torch import load_file
 
 from conftest import read_metrics, run_cli, subprocess_env
-from launcher.plan import config_hash
+from launcher.resume import config_hash
 
 pytestmark = pytest.mark.slow
 TOY = ("+exp=toy", "train.max_steps=20", "train.log_every=1", "train.global_batch_size=16")

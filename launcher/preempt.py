@@ -1,0 +1,40 @@
+"""Preemption: a signal only sets a flag; the ranks agree at the next step boundary, save one complete
+checkpoint, and the launcher exits with REQUEUE_EXIT_CODE.
+
+torchrun's agent relays the signals it is told to handle (`--signals-to-handle`) to every worker, so a
+signal to the launcher's process reaches all ranks. Exercised by: tests/test_resume.py.
+"""
+from __future__ import annotations
+
+import signal
+from types import FrameType
+
+REQUEUE_EXIT_CODE = 75  # EX_TEMPFAIL: "preempted, checkpoint saved, requeue me"
+PREEMPTED_FILE = "preempted.json"  # written by rank 0 after the preemption checkpoint
+
+
+def preemption_signals(name: str) -> list[signal.Signals]:
+    """SIGTERM (what schedulers and `kill` send) plus the configured one (USR2: NCCL may own USR1)."""
+    return sorted({signal.SIGTERM, getattr(signal, "SIG" + name.upper().removeprefix("SIG"))})
+
+
+class StopFlag:
+    """Set by the signal handler; read once per step, where all ranks agree on it."""
+
+    def __init__(self, signals: list[signal.Signals]):
+        self.signum, self.signals = 0, tuple(signals)
+        for sig in signals:
+            signal.signal(sig, self._handler)
+
+    def _handler(self, signum: int, frame: FrameType | None) -> None:
+        self.signum = signum  # nothing else: no I/O and no collectives inside a handler (Lightning#21406)
+
+    @property
+    def requested(self) -> bool:
+        return self.signum != 0
+
+
+def ignore_in_data_workers(worker_id: int, signals: tuple[signal.Signals, ...] = ()) -> None:
+    """DataLoader workers must not die of a preemption signal sent to the whole process tree."""
+    for sig in signals:
+        signal.signal(sig, signal.SIG_IGN)

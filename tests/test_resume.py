@@ -1,0 +1,214 @@
+"""Checkpoints, exact resume and fault tolerance with real processes (issue 4; PITFALLS #6 #10-#13 #15 #25).
+
+Reference runs and interrupted runs train the same toy trajectory; an interrupted run uses
+data.sleep_s so that a signal or a SIGKILL lands mid-training.
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import read_metrics, run_cli, subprocess_env
+from launcher.preempt import REQUEUE_EXIT_CODE
+
+pytestmark = pytest.mark.slow
+STEPS = 120
+COMMON = ("+exp=toy", f"train.max_steps={STEPS}", "train.log_every=1", "train.eval_every=0",
+          "train.ckpt_every=20", "train.log_samples=true", "train.global_batch_size=16",
+          "train.micro_batch_size=4")
+SLOW = ("data.sleep_s=0.01",)  # about 25 ms per step on 2 ranks: time to signal mid-run
+FP16 = ("precision=fp16", "precision.init_scale=1048576", "precision.growth_interval=5")
+
+
+def start(run_dir: Path, *overrides: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "launcher", *COMMON, *overrides, f"hydra.run.dir={run_dir}"],
+                            cwd=run_dir.parent, env=subprocess_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def finish(proc: subprocess.Popen, expect: int) -> str:
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == expect, out[-2000:] + err[-4000:]
+    return out + err
+
+
+def wait_until(condition, timeout: float = 120) -> None:
+    deadline = time.time() + timeout
+    while not condition():
+        assert time.time() < deadline, "timed out"
+        time.sleep(0.05)
+
+
+def logged_step(run_dir: Path) -> int:
+    try:
+        return max((m["step"] for m in read_metrics(run_dir)), default=0)
+    except (FileNotFoundError, json.JSONDecodeError):  # not there yet, or a line half-written
+        return 0
+
+
+def weights(run_dir: Path, step: int = STEPS) -> dict[str, torch.Tensor]:
+    return load_file(run_dir / "checkpoints" / str(step) / "model.safetensors")
+
+
+def bitwise_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def sample_stream(run_dir: Path) -> list[tuple[int, list[int]]]:
+    lines = (run_dir / "samples.jsonl").read_text().splitlines()
+    return [(r["step"], r["sample_ids"]) for r in map(json.loads, lines)]
+
+
+def worker_pid(parent: int, rank: int) -> int:
+    """The pid of the worker process with RANK=rank started by the launcher `parent`."""
+    for entry in Path("/proc").iterdir():
+        try:
+            stat = (entry / "stat").read_text()
+            ppid = int(stat.rsplit(")", 1)[1].split()[1])
+            environ = (entry / "environ").read_bytes().split(b"\0")
+        except (OSError, ValueError, IndexError):
+            continue
+        if ppid == parent and f"RANK={rank}".encode() in environ:
+            return int(entry.name)
+    raise LookupError(f"no rank {rank} worker under {parent}")
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Uninterrupted runs: fp32 and fp16."""
+    runs = {}
+    for name, extra in (("fp32", ()), ("fp16", FP16)):
+        run_dir = tmp_path_factory.mktemp("reference") / name
+        finish(start(run_dir, *extra), 0)
+        runs[name] = run_dir
+    return runs
+
+
+def preempt(run_dir: Path, sig: signal.Signals, *extra: str) -> int:
+    """Start a slow run, signal the launcher process (only it) mid-run; returns the preemption step."""
+    proc = start(run_dir, *SLOW, *extra)
+    wait_until(lambda: logged_step(run_dir) >= random.randint(25, 45))
+    proc.send_signal(sig)
+    finish(proc, REQUEUE_EXIT_CODE)
+    step = json.loads((run_dir / "preempted.json").read_text())["step"]
+    assert (run_dir / "checkpoints" / str(step) / "COMPLETE").exists()
+    return step
+
+
+def test_sigkill_of_one_rank_restarts_the_group_and_loses_nothing(tmp_path: Path, reference) -> None:
+    """Issue 4 test 1: SIGKILL rank 1 after a checkpoint -> torchrun restarts the group -> exact resume."""
+    run_dir = tmp_path / "killed"
+    proc = start(run_dir, *SLOW, "launcher.max_restarts=1")
+    wait_until(lambda: (run_dir / "checkpoints" / "40" / "COMPLETE").exists())
+    time.sleep(random.uniform(0.0, 0.3))
+    os.kill(worker_pid(proc.pid, rank=1), signal.SIGKILL)
+    finish(proc, 0)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["restarts"] == 1 and summary["resumed_from"] >= 40
+    assert bitwise_equal(weights(run_dir), weights(reference["fp32"]))
+    # every step's samples exactly once, as in the uninterrupted run: none skipped or repeated
+    assert sample_stream(run_dir) == sample_stream(reference["fp32"])
+
+
+@pytest.mark.parametrize("sig", [signal.SIGUSR2, signal.SIGTERM], ids=["USR2", "TERM"])
+def test_preemption_checkpoints_then_resume_auto_is_exact(tmp_path: Path, reference, sig) -> None:
+    """Issue 4 test 2: the signal to the launcher reaches every rank; one checkpoint; requeue code;
+    a second launch with resume=auto continues with nothing redone; bitwise equal final weights."""
+    run_dir = tmp_path / "preempted"
+    step = preempt(run_dir, sig)
+    assert max(m["step"] for m in read_metrics(run_dir)) == step
+    out = finish(start(run_dir, *SLOW), 0)
+    assert f"resumed from step {step}" in out
+    steps = [m["step"] for m in read_metrics(run_dir) if "loss" in m]
+    assert steps == list(range(1, STEPS + 1))  # the in-flight step was finished, none redone
+    assert bitwise_equal(weights(run_dir), weights(reference["fp32"]))
+    assert sample_stream(run_dir) == sample_stream(reference["fp32"])
+    assert not (run_dir / "preempted.json").exists()
+
+
+def test_fp16_scaler_state_survives_a_resume(tmp_path: Path, reference) -> None:
+    """Issue 4 test 3 / PITFALLS #6: loss scale, growth tracker and the next steps bitwise equal."""
+    run_dir = tmp_path / "fp16"
+    step = preempt(run_dir, signal.SIGUSR2, *FP16)
+    state = torch.load(run_dir / "checkpoints" / str(step) / "train_state.pt", weights_only=True)
+    ref = [m for m in read_metrics(reference["fp16"]) if "loss" in m]
+    assert state["scaler"]["scale"] == ref[step - 1]["loss_scale"]
+    assert ref[-1]["skipped_steps"] > 0 and len({m["loss_scale"] for m in ref}) > 2  # the scale moved
+    finish(start(run_dir, *SLOW, *FP16), 0)
+    resumed = [m for m in read_metrics(run_dir) if "loss" in m]
+    keys = ("step", "loss", "loss_scale", "grad_norm", "lr", "skipped_steps")
+    assert [[m[k] for k in keys] for m in resumed] == [[m[k] for k in keys] for m in ref]
+    assert bitwise_equal(weights(run_dir), weights(reference["fp16"]))
+
+
+def test_resume_on_one_rank_continues_the_sample_stream(tmp_path: Path, reference) -> None:
+    """Issue 4 test 4: 2 ranks -> 1 rank at the same global batch continues at the right sample."""
+    run_dir = tmp_path / "shrunk"
+    preempt(run_dir, signal.SIGUSR2)
+    finish(start(run_dir, *SLOW, "launcher.nproc_per_node=1"), 0)
+    assert sample_stream(run_dir) == sample_stream(reference["fp32"])
+    ref = [m["loss"] for m in read_metrics(reference["fp32"]) if "loss" in m]
+    got = [m["loss"] for m in read_metrics(run_dir) if "loss" in m]
+    assert got == pytest.approx(ref, rel=1e-5)
+    for name, tensor in weights(reference["fp32"]).items():
+        torch.testing.assert_close(weights(run_dir)[name], tensor, rtol=1e-4, atol=1e-6)
+
+
+def test_truncated_latest_checkpoint_falls_back_to_the_previous_one(tmp_path: Path, reference) -> None:
+    """Issue 4 test 5: a truncated latest checkpoint is never loaded; the previous one is, with a warning."""
+    run_dir = tmp_path / "truncated"
+    step = preempt(run_dir, signal.SIGUSR2, "train.ckpt_every=10")
+    weights_file = run_dir / "checkpoints" / str(step) / "model.safetensors"
+    weights_file.write_bytes(weights_file.read_bytes()[: weights_file.stat().st_size // 2])
+    out = finish(start(run_dir, *SLOW, "train.ckpt_every=10"), 0)
+    previous = step - step % 10 if step % 10 else step - 10
+    assert f"checkpoint {run_dir / 'checkpoints' / str(step)} is unusable" in out
+    assert f"resumed from step {previous}" in out
+    assert bitwise_equal(weights(run_dir), weights(reference["fp32"]))
+
+
+def one_line_error(out: subprocess.CompletedProcess) -> str:
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-3000:]
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1, lines
+    return lines[0]
+
+
+def test_resume_policies_fail_fast_in_the_parent(tmp_path: Path) -> None:
+    """resume=must without a checkpoint, resume=never over checkpoints, and a changed config (PITFALLS #25)."""
+    fresh = tmp_path / "fresh"
+    line = one_line_error(run_cli(*COMMON, "resume=must", f"hydra.run.dir={fresh}", cwd=tmp_path))
+    assert "resume=must" in line and "no complete checkpoint" in line
+    assert not fresh.exists()  # no half-made run dir left behind
+
+    done = tmp_path / "done"
+    assert run_cli(*COMMON, "train.max_steps=20", f"hydra.run.dir={done}", cwd=tmp_path).returncode == 0
+    line = one_line_error(run_cli(*COMMON, "train.max_steps=20", "resume=never", f"hydra.run.dir={done}",
+                                  cwd=tmp_path))
+    assert "resume=never" in line
+    line = one_line_error(run_cli(*COMMON, "train.max_steps=20", "optimizer.lr=0.5", f"hydra.run.dir={done}",
+                                  cwd=tmp_path))
+    assert "optimizer.lr changed" in line and "resume.allow_config_change=true" in line
+    allowed = run_cli(*COMMON, "train.max_steps=30", "resume.allow_config_change=true", f"hydra.run.dir={done}",
+                      cwd=tmp_path)
+    assert allowed.returncode == 0 and "resumed from step 20" in allowed.stdout
+    assert json.loads((done / "summary.json").read_text())["steps"] == 30
+
+
+def test_consecutive_non_finite_steps_stop_the_run(tmp_path: Path) -> None:
+    out = run_cli(*COMMON, "data.noise=nan", "train.max_bad_steps=3", f"hydra.run.dir={tmp_path / 'nan'}",
+                  cwd=tmp_path)
+    assert out.returncode == 1
+    assert "error: rank 0 failed: RuntimeError: 3 consecutive steps had non-finite gradients " \
+           "(train.max_bad_steps=3)" in out.stderr
+    assert [m["skipped_steps"] for m in read_metrics(tmp_path / "nan")] == [1, 2]
