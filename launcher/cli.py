@@ -1,7 +1,7 @@
 """`python -m launcher`: the only process that runs Hydra.
 
 compose -> validate/derive (world size, accumulation) -> resolve once -> <run_dir>/config.yaml ->
-start the workers. Exercised by: `python -m launcher +exp=toy` and `python -m launcher +exp=toy --cfg job`.
+start the workers here (launcher=local), or queue the run for Slurm (launcher=slurm). Exercised by: `python -m launcher +exp=toy` and `python -m launcher +exp=toy --cfg job`.
 """
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ from omegaconf import DictConfig
 from launcher.local import run_local
 from launcher.plan import ConfigError, Plan, make_plan, resolve, write_config
 from launcher.resume import check_resume
+from launcher.slurm import queue
 from launcher.schema import register
 
 register()
@@ -63,6 +64,9 @@ def main(cfg: DictConfig) -> None:
         sys.exit(2)
     config_path = write_config(run_dir, config)
     write_launch_record(run_dir, plan)
+    if cfg.launcher.name == "slurm":  # submitted by __main__ once Hydra has run every sweep point
+        queue(run_dir, config_path, plan, cfg.launcher)
+        return
     resuming = "" if resume_step is None else f" | resuming (latest checkpoint: step {resume_step})"
     print(f"run dir {run_dir} | {plan.world_size} worker(s) on {plan.device_type} | "
           f"grad accum {plan.grad_accum_steps}{resuming}", flush=True)

@@ -19,9 +19,10 @@ from launcher.plan import Plan
 from launcher.preempt import PREEMPTED_FILE, REQUEUE_EXIT_CODE, preemption_signals
 
 
-def torchrun_args(config_path: Path, plan: Plan, launcher: DictConfig) -> list[str]:
+def torchrun_args(config_path: Path, plan: Plan, launcher: DictConfig, rendezvous: list[str]) -> list[str]:
+    """torchrun's arguments for one node: `rendezvous` is --standalone here, c10d at the first node on Slurm."""
     relayed = {"SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", *(s.name for s in preemption_signals(launcher.signal))}
-    return ["--standalone", f"--nnodes={plan.nnodes}", f"--nproc-per-node={plan.nproc_per_node}",
+    return [*rendezvous, f"--nnodes={plan.nnodes}", f"--nproc-per-node={plan.nproc_per_node}",
             f"--max-restarts={launcher.max_restarts}", f"--signals-to-handle={','.join(sorted(relayed))}",
             f"--shutdown-timeout={launcher.shutdown_timeout_s}", "--module", "launcher.worker", str(config_path)]
 
@@ -32,11 +33,15 @@ def preempted_step(run_dir: Path) -> int | None:
 
 
 def run_local(config_path: Path, plan: Plan, launcher: DictConfig) -> int:
-    """Start the agent and wait; returns the exit code: 0, REQUEUE_EXIT_CODE, or the failed rank's."""
-    run_dir = config_path.parent
-    (run_dir / PREEMPTED_FILE).unlink(missing_ok=True)  # a marker from an earlier launch means nothing now
+    """All workers on this machine; returns the exit code: 0, REQUEUE_EXIT_CODE, or the failed rank's."""
+    (config_path.parent / PREEMPTED_FILE).unlink(missing_ok=True)  # an earlier launch's marker means nothing
+    return run_agent(torchrun_args(config_path, plan, launcher, ["--standalone"]), config_path.parent)
+
+
+def run_agent(args: list[str], run_dir: Path) -> int:
+    """Run torchrun's agent in this process with `args` and wait; returns the node's exit code."""
     try:
-        torchrun.run(torchrun.parse_args(torchrun_args(config_path, plan, launcher)))
+        torchrun.run(torchrun.parse_args(args))
     except SignalException as err:  # the agent relayed it and waited for the workers' checkpoint
         code = 128 + int(err.sigval)
     except ChildFailedError as err:

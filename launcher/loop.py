@@ -139,6 +139,8 @@ def train(run: Run, progress: Progress, stop: StopFlag) -> dict[str, Any]:
             checkpoint.save(run.run_dir, step, run.model.module, train_state(run, progress), run.env.is_main,
                             run.keep_checkpoints)
             run.log.preempted(step, stop.signum)
+            # No rank exits before the marker exists: a node's launcher reads it once its workers exit.
+            torch.distributed.barrier()
             preempted = True
             break
         if run.eval_every and step % run.eval_every == 0 and step != run.max_steps:

@@ -46,8 +46,34 @@ def _require_positive(cfg: DictConfig, *keys: str) -> None:
             raise ConfigError(f"{key}={value} must be > 0")
 
 
-def make_plan(cfg: DictConfig, nnodes: int = 1) -> Plan:
-    """Check the config against this machine and derive the plan, or raise ConfigError."""
+def _shape(cfg: DictConfig) -> tuple[int, int, str]:
+    """(nodes, workers per node, device type) for this launcher."""
+    launcher = cfg.launcher
+    if launcher.name == "slurm":  # the submit host's GPUs say nothing about the cluster's
+        _require_positive(cfg, "launcher.nodes", "launcher.timeout_min", "launcher.array_parallelism",
+                          "launcher.cpus_per_task", "launcher.mem_gb")
+        for key in ("launcher.gpus_per_node", "launcher.max_requeues", "launcher.signal_delay_s"):
+            if OmegaConf.select(cfg, key) < 0:
+                raise ConfigError(f"{key}={OmegaConf.select(cfg, key)} must be >= 0")
+        nproc = launcher.gpus_per_node or launcher.nproc_per_node or 2
+        return launcher.nodes, nproc, "cuda" if launcher.gpus_per_node else "cpu"
+    if launcher.name != "local":
+        raise ConfigError(f"launcher.name={launcher.name} is not one of local, slurm; pick launcher=local or "
+                          f"launcher=slurm")
+    gpus = torch.cuda.device_count()
+    nproc = launcher.nproc_per_node or (gpus if gpus else 2)
+    if gpus and nproc > gpus:
+        raise ConfigError(f"launcher.nproc_per_node={nproc} but this node has {gpus} GPU(s); "
+                          f"set launcher.nproc_per_node<={gpus}")
+    if gpus and torch.cuda.is_available():
+        precision = getattr(cfg.precision.name, "value", cfg.precision.name)  # Enum when typed
+        if precision == "bf16" and not torch.cuda.is_bf16_supported():
+            raise ConfigError("precision=bf16 needs an Ampere or newer GPU; use precision=fp16 here")
+    return 1, nproc, "cuda" if gpus else "cpu"
+
+
+def make_plan(cfg: DictConfig) -> Plan:
+    """Check the config against where it will run and derive the plan, or raise ConfigError."""
     _require_positive(cfg, "train.global_batch_size", "train.micro_batch_size", "train.max_steps",
                       "train.log_every", "launcher.nproc_per_node", "dist.timeout_s",
                       "optimizer.lr", "train.max_grad_norm")
@@ -60,20 +86,12 @@ def make_plan(cfg: DictConfig, nnodes: int = 1) -> Plan:
     if not isinstance(getattr(signal, "SIG" + name, None), signal.Signals) or name in ("KILL", "STOP"):
         raise ConfigError(f"launcher.signal={cfg.launcher.signal} is not a signal that can be caught; "
                           f"use USR2 (the default), USR1 or TERM")
-    gpus = torch.cuda.device_count()
-    device_type = "cuda" if gpus else "cpu"
-    nproc = cfg.launcher.nproc_per_node or (gpus if gpus else 2)
-    if gpus and nproc > gpus:
-        raise ConfigError(f"launcher.nproc_per_node={nproc} but this node has {gpus} GPU(s); "
-                          f"set launcher.nproc_per_node<={gpus}")
-    precision = getattr(cfg.precision.name, "value", cfg.precision.name)  # Enum when typed, str in yaml
-    if precision == "bf16" and device_type == "cuda" and not torch.cuda.is_bf16_supported():
-        raise ConfigError("precision=bf16 needs an Ampere or newer GPU; use precision=fp16 here")
+    nnodes, nproc, device_type = _shape(cfg)
     backend = cfg.dist.backend
     if backend not in ("auto", "gloo", "nccl"):
         raise ConfigError(f"dist.backend={backend} is not one of auto, gloo, nccl")
     if backend == "nccl" and device_type == "cpu":
-        raise ConfigError("dist.backend=nccl needs GPUs and this node has none; use dist.backend=auto")
+        raise ConfigError("dist.backend=nccl needs GPUs and this run has none; use dist.backend=auto")
     world_size = nnodes * nproc
     accum = grad_accum_steps(cfg.train.global_batch_size, cfg.train.micro_batch_size, world_size)
     return Plan(nnodes=nnodes, nproc_per_node=nproc, world_size=world_size,

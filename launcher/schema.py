@@ -10,7 +10,7 @@ import importlib.util
 import os
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any, Optional
+from typing import Any, Dict, List, Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, OmegaConf
@@ -67,11 +67,30 @@ class SchedulerConfig:
 
 @dataclass
 class LauncherConfig:
-    name: str = "local"
+    name: str = "local"  # local (torchrun on this machine) or slurm (submitit)
     nproc_per_node: Optional[int] = None  # null: one per GPU, or 2 CPU workers when there is no GPU
     max_restarts: int = 0  # torchrun's elastic restarts of the whole worker group
     signal: str = "USR2"  # preemption signal besides SIGTERM (NCCL may own USR1)
     shutdown_timeout_s: int = 120  # after a signal, how long workers may take to checkpoint and exit
+    # launcher=slurm only (conf/launcher/slurm.yaml):
+    nodes: int = 1
+    gpus_per_node: int = 0  # 0: CPU workers on gloo, launcher.nproc_per_node of them per node
+    cpus_per_task: Optional[int] = None  # null: one per worker
+    mem_gb: Optional[int] = None
+    timeout_min: int = 60
+    partition: Optional[str] = None
+    account: Optional[str] = None
+    qos: Optional[str] = None
+    constraint: Optional[str] = None
+    exclusive: bool = False
+    setup: List[str] = field(default_factory=list)  # shell lines run before the job (module load ...)
+    additional_parameters: Dict[str, Any] = field(default_factory=dict)  # any other sbatch option
+    log_dir: Optional[str] = None  # null: <run dir>/slurm, or <sweep dir>/slurm for -m
+    signal_delay_s: int = 120  # Slurm sends launcher.signal this long before the time limit
+    array_parallelism: int = 16  # at most this many tasks of a -m sweep's job array run at once
+    max_requeues: int = 3  # preemptions that requeue the job before it ends as failed
+    wait: bool = False  # block until every job ends; exit non-zero if any failed
+    dry_run: bool = False  # print what would be submitted, submit nothing
 
 
 @dataclass

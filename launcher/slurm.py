@@ -1,0 +1,178 @@
+"""Slurm through submitit: one task per node runs torchrun's agent for that node's workers, and every run
+of a Hydra `-m` sweep is submitted together as one job array.
+
+Exercised by: `python -m launcher +exp=toy launcher=slurm` and tests/test_slurm.py (a real cluster).
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import submitit
+from omegaconf import DictConfig, OmegaConf
+
+from launcher.local import run_agent, torchrun_args
+from launcher.plan import ConfigError, Plan
+from launcher.preempt import PREEMPTED_FILE, REQUEUE_EXIT_CODE
+
+REQUEUES_FILE = "requeues.json"  # how often preemption requeued this run; bounded by launcher.max_requeues
+JOB_FILE = "slurm.json"  # the job id and log dir, for `python -m launcher.status`
+
+
+@dataclass
+class Submission:
+    run_dir: Path
+    config_path: Path
+    plan: Plan
+    launcher: dict[str, Any]
+
+
+QUEUE: list[Submission] = []  # filled by the Hydra task for each run; submitted once Hydra is done
+
+
+def queue(run_dir: Path, config_path: Path, plan: Plan, launcher: DictConfig) -> None:
+    QUEUE.append(Submission(run_dir, config_path, plan, OmegaConf.to_container(launcher, enum_to_str=True)))
+
+
+def rendezvous_port(job_id: str, restart: int) -> int:
+    """A port per job and per requeue: jobs that share a node never clash (no fixed 29500)."""
+    digits = int("".join(c for c in job_id if c.isdigit()) or 0)
+    return 20000 + (digits * 31 + restart) % 20000
+
+
+def executor_parameters(launcher: dict[str, Any], plan: Plan, job_name: str) -> dict[str, Any]:
+    """submitit.SlurmExecutor parameters: one task per node, which starts the node's workers itself."""
+    extra = dict(launcher["additional_parameters"])
+    signal_name = launcher["signal"].upper().removeprefix("SIG")
+    if signal_name != "USR2":  # submitit writes --signal=USR2@delay; another signal replaces it
+        extra["signal"] = f"{signal_name}@{launcher['signal_delay_s']}"
+    params = {"job_name": job_name, "nodes": plan.nnodes, "ntasks_per_node": 1,
+              "cpus_per_task": launcher["cpus_per_task"] or plan.nproc_per_node, "time": launcher["timeout_min"],
+              "signal_delay_s": launcher["signal_delay_s"], "array_parallelism": launcher["array_parallelism"],
+              "setup": list(launcher["setup"]), "additional_parameters": extra, "stderr_to_stdout": True}
+    if launcher["gpus_per_node"]:
+        params["gpus_per_node"] = launcher["gpus_per_node"]
+    if launcher["mem_gb"]:
+        params["mem"] = f"{launcher['mem_gb']}GB"
+    if launcher["exclusive"]:
+        params["exclusive"] = True
+    params.update({key: launcher[key] for key in ("partition", "account", "qos", "constraint") if launcher[key]})
+    return params
+
+
+class NodeTask(submitit.helpers.Checkpointable):
+    """What each node's Slurm task runs: torchrun's agent, rendezvous at the first node's address."""
+
+    def __init__(self, config_path: str):
+        self.config_path = config_path
+
+    def __call__(self) -> int:
+        config_path = Path(self.config_path)
+        run_dir, cfg = config_path.parent, OmegaConf.load(config_path)
+        env = submitit.JobEnvironment()
+        restart = int(os.environ.get("SLURM_RESTART_COUNT", 0))
+        if env.global_rank == 0:
+            (run_dir / PREEMPTED_FILE).unlink(missing_ok=True)  # from the attempt before a requeue
+        # The first node's address, not its name: names need not resolve (emulated nodes, some clusters).
+        host = os.environ.get("SLURM_LAUNCH_NODE_IPADDR") or env.hostnames[0]
+        rendezvous = ["--rdzv-backend=c10d", f"--rdzv-endpoint={host}:{rendezvous_port(env.job_id, restart)}",
+                      f"--rdzv-id={env.job_id}-{restart}"]
+        code = run_agent(torchrun_args(config_path, Plan(**cfg.plan), cfg.launcher, rendezvous), run_dir)
+        if code == REQUEUE_EXIT_CODE:
+            # launcher.signal is Slurm's warning before the time limit: requeue ourselves. SIGTERM comes
+            # from Slurm's own requeue, a cancel, or the limit itself: checkpoint saved, Slurm decides.
+            if env.global_rank == 0 and preemption_signal(run_dir) != signal.SIGTERM:
+                requeue(run_dir, env.job_id, cfg.launcher.max_requeues)
+            # No result file: the requeued job, not this attempt, reports the outcome.
+            raise SystemExit(REQUEUE_EXIT_CODE)
+        if code:
+            raise RuntimeError(f"node {env.node} of job {env.job_id} failed with exit code {code}; see {run_dir}")
+        return 0
+
+
+def preemption_signal(run_dir: Path) -> int:
+    return json.loads((run_dir / PREEMPTED_FILE).read_text())["signal"]
+
+
+def requeue(run_dir: Path, job_id: str, max_requeues: int) -> None:
+    """Put the job (the same array task) back in the queue; it resumes in the same run dir."""
+    path = run_dir / REQUEUES_FILE
+    count = json.loads(path.read_text())["count"] if path.exists() else 0
+    if count >= max_requeues:
+        raise RuntimeError(f"preempted {count + 1} times (launcher.max_requeues={max_requeues}); the checkpoint "
+                           f"is kept: resubmit with hydra.run.dir={run_dir}")
+    path.write_text(json.dumps({"count": count + 1}) + "\n")
+    subprocess.check_call(["scontrol", "requeue", job_id], timeout=60)
+
+
+def _same_submission(runs: list[Submission]) -> None:
+    """A job array shares one set of executor parameters: every sweep point must agree on them."""
+    first = runs[0]
+    for run in runs[1:]:
+        for key, value in first.launcher.items():
+            if run.launcher[key] != value:
+                raise ConfigError(f"launcher.{key} differs between sweep points ({value} vs {run.launcher[key]});"
+                                  f" one job array needs one value")
+        if run.plan != first.plan:
+            raise ConfigError("the sweep points need different world sizes or node counts; one job array "
+                              "needs one shape (sweep train.micro_batch_size/global_batch_size consistently)")
+
+
+def submit_queued() -> int:
+    """Submit what the Hydra task queued: one job, or one array for a sweep. Returns the exit code."""
+    if not QUEUE:
+        return 0
+    runs = list(QUEUE)
+    QUEUE.clear()
+    try:
+        _same_submission(runs)
+    except ConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    launcher, plan = runs[0].launcher, runs[0].plan
+    common = Path(os.path.commonpath([r.run_dir for r in runs])) if len(runs) > 1 else runs[0].run_dir
+    folder = Path(launcher["log_dir"] or common / "slurm")
+    params = executor_parameters(launcher, plan, job_name=OmegaConf.load(runs[0].config_path).name)
+    if launcher["dry_run"]:
+        print_plan(runs, params, folder)
+        return 0
+    executor = submitit.SlurmExecutor(folder=folder)
+    executor.update_parameters(**params)
+    with executor.batch():  # several submissions in a batch become one job array
+        jobs = [executor.submit(NodeTask(str(run.config_path))) for run in runs]
+    for job, run in zip(jobs, runs):
+        (run.run_dir / JOB_FILE).write_text(json.dumps({"job_id": job.job_id, "log_dir": str(folder)}) + "\n")
+        print(f"submitted job {job.job_id}: run dir {run.run_dir}", flush=True)
+    print(f"status: python -m launcher.status {common}", flush=True)
+    return wait_for(jobs, runs) if launcher["wait"] else 0
+
+
+def wait_for(jobs: list[submitit.Job], runs: list[Submission]) -> int:
+    failed = 0
+    for job, run in zip(jobs, runs):
+        try:
+            job.results()
+        except Exception:  # a raising task ends FAILED in Slurm, and fails the wait here
+            failed += 1
+            print(f"error: job {job.job_id} failed: run dir {run.run_dir}, log {job.paths.stdout}", file=sys.stderr)
+    return 1 if failed else 0
+
+
+def print_plan(runs: list[Submission], params: dict[str, Any], folder: Path) -> None:
+    """launcher.dry_run=true: what would be submitted, and nothing submitted."""
+    print(f"dry run: would submit {'a job array of ' + str(len(runs)) if len(runs) > 1 else 'one job'} "
+          f"with submitit.SlurmExecutor(folder={folder})")
+    print("executor parameters: " + json.dumps(params, sort_keys=True))
+    for run in runs:
+        cfg = OmegaConf.load(run.config_path)
+        rendezvous = ["--rdzv-backend=c10d", "--rdzv-endpoint=<first node address>:<port from the job id>",
+                      "--rdzv-id=<job id>"]
+        args = torchrun_args(run.config_path, run.plan, cfg.launcher, rendezvous)
+        print(f"run dir {run.run_dir}: {asdict(run.plan)}")
+        print(f"  on each of {run.plan.nnodes} node(s): python -m torch.distributed.run {' '.join(args)}")

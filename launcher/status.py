@@ -1,0 +1,74 @@
+"""`python -m launcher.status <run dir or sweep dir>`: per run, its Slurm state, last step and loss, the
+last eval metrics and the latest complete checkpoint.
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from launcher.checkpoint import complete_steps
+from launcher.preempt import PREEMPTED_FILE
+from launcher.slurm import JOB_FILE
+
+
+def run_dirs(root: Path) -> list[Path]:
+    """The run dir itself, or every run dir below a sweep dir (those holding a config.yaml)."""
+    if (root / "config.yaml").is_file():
+        return [root]
+    found = [p.parent for p in root.rglob("config.yaml") if p.parent.name != ".hydra"]
+    return sorted(found, key=lambda p: (len(p.parts), p.name.zfill(8), str(p)))
+
+
+def slurm_state(job_id: str) -> str:
+    """The job's state from accounting (sacct), else from the queue (squeue)."""
+    for cmd in (["sacct", "-n", "-X", "-P", "-o", "State", "-j", job_id], ["squeue", "-h", "-o", "%T", "-j", job_id]):
+        try:
+            out = subprocess.run(cmd, capture_output=True, text=True, timeout=30).stdout.split()
+        except (OSError, subprocess.TimeoutExpired):
+            continue
+        if out:
+            return out[0]
+    return "UNKNOWN"
+
+
+def describe(run_dir: Path) -> dict[str, Any]:
+    row: dict[str, Any] = {"run": str(run_dir), "job": "-", "state": "-", "step": "-", "loss": "-", "eval": "-",
+                           "checkpoint": "-"}
+    if (run_dir / JOB_FILE).is_file():
+        row["job"] = json.loads((run_dir / JOB_FILE).read_text())["job_id"]
+        row["state"] = slurm_state(row["job"])
+    elif (run_dir / "summary.json").is_file():
+        row["state"] = "DONE"
+    elif (run_dir / PREEMPTED_FILE).is_file():
+        row["state"] = "PREEMPTED"
+    metrics = run_dir / "metrics.jsonl"
+    for record in map(json.loads, metrics.read_text().splitlines() if metrics.is_file() else []):
+        if "loss" in record:
+            row["step"], row["loss"] = record["step"], f"{record['loss']:.4g}"
+        if "eval" in record:
+            row["eval"] = " ".join(f"{k}={v:.4g}" for k, v in record["eval"].items())
+    steps = complete_steps(run_dir)
+    row["checkpoint"] = steps[-1] if steps else "-"
+    return row
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 1 or not Path(argv[0]).is_dir():
+        print("usage: python -m launcher.status <run dir or sweep dir>", file=sys.stderr)
+        return 2
+    rows = [describe(d) for d in run_dirs(Path(argv[0]))]
+    if not rows:
+        print(f"error: no run dir (with a config.yaml) under {argv[0]}", file=sys.stderr)
+        return 2
+    columns = list(rows[0])
+    widths = {c: max(len(c), *(len(str(r[c])) for r in rows)) for c in columns}
+    for row in [dict(zip(columns, columns)), *rows]:
+        print("  ".join(str(row[c]).ljust(widths[c]) for c in columns).rstrip())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
