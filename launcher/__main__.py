@@ -6,7 +6,9 @@ submitted here afterwards, so a sweep becomes one job array.
 import sys
 
 from launcher.cli import main
+from launcher.errors import hydra_errors_in_one_line
 from launcher.slurm import submit_queued
 
-main()
+with hydra_errors_in_one_line():
+    main()
 sys.exit(submit_queued())

@@ -18,6 +18,8 @@ import torch
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
+from launcher.checks import check_job_inputs
+from launcher.errors import release_stderr
 from launcher.local import run_local
 from launcher.plan import ConfigError, Plan, make_plan, resolve, write_config
 from launcher.resume import check_resume
@@ -53,10 +55,12 @@ def discard_if_fresh(run_dir: Path) -> None:
 
 @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")
 def main(cfg: DictConfig) -> None:
+    release_stderr()  # Hydra composed the config: from here on our errors are one line already
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     try:
         plan = make_plan(cfg)
         config = resolve(cfg, plan)
+        check_job_inputs(config)
         resume_step = check_resume(run_dir, config)
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)

@@ -87,11 +87,13 @@ def _keep(window: Window) -> Window:
 
 
 def window_loader(windows: StepWindows, steps: Iterable[int], num_workers: int, pin_memory: bool,
+                  persistent_workers: bool = False, prefetch_factor: int = 2,
                   worker_init_fn: Callable[[int], None] | None = None) -> DataLoader:
-    """Windows of the given steps, prepared ahead by `num_workers` processes."""
+    """Windows of the given steps, prepared ahead by `num_workers` processes (prefetch_factor each)."""
     return DataLoader(windows, batch_size=None, sampler=list(steps), collate_fn=_keep,
                       num_workers=num_workers, pin_memory=pin_memory, worker_init_fn=worker_init_fn,
-                      persistent_workers=False, prefetch_factor=2 if num_workers else None)
+                      persistent_workers=persistent_workers and num_workers > 0,
+                      prefetch_factor=prefetch_factor if num_workers else None)
 
 
 def eval_batches(task: Task, rank: int, world_size: int, batch_size: int) -> Iterable[dict[str, Any]]:

@@ -9,14 +9,15 @@ import time
 from functools import partial
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable, Iterator
 
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from launcher import checkpoint
-from launcher.data import DataPlan, StepWindows, eval_batches, window_loader
+from launcher.data import DataPlan, StepWindows, Window, eval_batches, window_loader
 from launcher.dist import DistEnv, all_gather_objects, all_reduce_sum
+from launcher.meter import Meter, peak_flops, peak_memory_mb, training_flops_per_item
 from launcher.metrics import RunLog
 from launcher.precision import Precision
 from launcher.preempt import StopFlag, ignore_in_data_workers
@@ -31,7 +32,8 @@ class Run:
     run_dir: Path
     env: DistEnv
     task: Task
-    model: DDP
+    model: DDP  # what trains: DDP around the (compiled, with train.compile) module
+    module: torch.nn.Module  # the plain module: its weights are what checkpoints and eval use
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
     scaler: torch.amp.GradScaler
@@ -48,6 +50,8 @@ class Run:
     max_bad_steps: int
     log_samples: bool
     num_workers: int
+    persistent_workers: bool
+    prefetch_factor: int
     log: RunLog
     config_hash: str
 
@@ -57,7 +61,7 @@ def evaluate(run: Run) -> dict[str, float]:
     """Exact metrics: each rank sums over its disjoint share, one all-reduce adds the sums."""
     if run.task.eval_set is None:
         return {}
-    module = run.model.module  # the bare module: DDP's forward could enter collectives unevenly here
+    module = run.module  # the bare module: DDP's forward could enter collectives unevenly here
     module.eval()
     keys = run.task.eval_sum_keys
     sums = torch.zeros(len(keys), dtype=torch.float64, device=run.env.device)
@@ -84,6 +88,18 @@ class Progress:
     bad_in_a_row: int = 0  # consecutive steps with non-finite gradients
 
 
+def timed(loader: Iterable[Window]) -> Iterator[tuple[Window, float]]:
+    """Each window with the seconds spent waiting for it (the data loader's share of step time)."""
+    it = iter(loader)
+    while True:
+        started = time.perf_counter()
+        try:
+            window = next(it)
+        except StopIteration:
+            return
+        yield window, time.perf_counter() - started
+
+
 def train(run: Run, progress: Progress, stop: StopFlag) -> dict[str, Any]:
     """Train from progress.step to max_steps; returns the summary (also written by rank 0).
 
@@ -92,51 +108,42 @@ def train(run: Run, progress: Progress, stop: StopFlag) -> dict[str, Any]:
     resumed_from = progress.step
     windows = StepWindows(run.task, run.data_plan, run.env.rank, run.env.world_size, run.grad_accum_steps)
     loader = window_loader(windows, range(progress.step, run.max_steps), run.num_workers,
-                           pin_memory=run.env.device.type == "cuda",
+                           pin_memory=run.env.device.type == "cuda", persistent_workers=run.persistent_workers,
+                           prefetch_factor=run.prefetch_factor,
                            worker_init_fn=partial(ignore_in_data_workers, signals=stop.signals))
-    started = last_log = time.perf_counter()
-    interval_samples = interval_steps = launch_samples = 0
-    interval_loss = torch.zeros((), device=run.env.device)
-    tokens = torch.zeros((), device=run.env.device)
-    loss, preempted = float("nan"), False
-    for window in loader:
+    meter = Meter(run.env.device, training_flops_per_item(run.module),
+                  peak_flops(run.env.device, run.precision.name), run.env.world_size)
+    started, launch_samples, loss, preempted, first_step_at = time.perf_counter(), 0, float("nan"), False, None
+    for window, data_wait_s in timed(loader):
         result = train_step(run.model, run.task, window, run.optimizer, run.scheduler, run.scaler,
                             run.precision, run.max_grad_norm, run.env.device, stop_requested=stop.requested)
+        first_step_at = first_step_at or time.time()  # start-up cost, as users feel it
         progress.step += 1
         step = progress.step
         progress.samples += window.step_samples
+        launch_samples += window.step_samples
         progress.skipped_steps += not result.stepped
         progress.bad_in_a_row = 0 if result.stepped else progress.bad_in_a_row + 1
         if progress.bad_in_a_row >= run.max_bad_steps:  # the flag is agreed: every rank stops here
             raise RuntimeError(f"{progress.bad_in_a_row} consecutive steps had non-finite gradients "
                                f"(train.max_bad_steps={run.max_bad_steps}); the last complete checkpoint "
                                f"is kept in {run.run_dir / 'checkpoints'}")
-        interval_samples += window.step_samples
-        launch_samples += window.step_samples
-        interval_loss += result.loss
-        interval_steps += 1
-        if result.tokens is not None:
-            tokens += result.tokens
+        meter.add(window.step_samples, result.loss, result.tokens, data_wait_s)
+        run.log.advance()
         if run.log_samples:
             run.log.samples(step, all_gather_objects(window.sample_ids))
 
-        if step % run.log_every == 0 or step == run.max_steps:
-            elapsed = time.perf_counter() - last_log
-            loss = (interval_loss / interval_steps).item()  # mean over the steps since the last log
-            record = {"step": step, "epoch": run.data_plan.epoch_of(step - 1), "loss": loss,
+        if step % run.log_every == 0 or step == run.max_steps:  # every rank: the meter sums tokens
+            record = {"step": step, "epoch": run.data_plan.epoch_of(step - 1), **meter.read(),
                       "lr": run.scheduler.get_last_lr()[0], "grad_norm": result.grad_norm.item(),
-                      "samples_per_sec": interval_samples / elapsed, "skipped_steps": progress.skipped_steps}
-            if result.tokens is not None:  # every rank enters: the cadence is the same everywhere
-                record["tokens_per_sec"] = all_reduce_sum(tokens).item() / elapsed
+                      "skipped_steps": progress.skipped_steps}
             if run.scaler.is_enabled():
                 record["loss_scale"] = run.scaler.get_scale()
+            loss = record["loss"]
             run.log.metrics(record, run.max_steps)
-            interval_samples, interval_steps, last_log = 0, 0, time.perf_counter()
-            interval_loss.zero_()
-            tokens.zero_()
 
         if result.stop:  # agreed by all ranks in the step's all-reduce
-            checkpoint.save(run.run_dir, step, run.model.module, train_state(run, progress), run.env.is_main,
+            checkpoint.save(run.run_dir, step, run.module, train_state(run, progress), run.env.is_main,
                             run.keep_checkpoints)
             run.log.preempted(step, stop.signum)
             # No rank exits before the marker exists: a node's launcher reads it once its workers exit.
@@ -146,7 +153,7 @@ def train(run: Run, progress: Progress, stop: StopFlag) -> dict[str, Any]:
         if run.eval_every and step % run.eval_every == 0 and step != run.max_steps:
             run.log.metrics({"step": step, "eval": evaluate(run)}, run.max_steps)
         if run.ckpt_every and step % run.ckpt_every == 0 and step != run.max_steps:
-            checkpoint.save(run.run_dir, step, run.model.module, train_state(run, progress), run.env.is_main,
+            checkpoint.save(run.run_dir, step, run.module, train_state(run, progress), run.env.is_main,
                             run.keep_checkpoints)
 
     wall = time.perf_counter() - started
@@ -154,14 +161,16 @@ def train(run: Run, progress: Progress, stop: StopFlag) -> dict[str, Any]:
                "wall_time_s": wall, "samples_per_sec": launch_samples / wall if wall else 0.0,
                "world_size": run.env.world_size, "grad_accum_steps": run.grad_accum_steps,
                "precision": run.precision.name, "skipped_steps": progress.skipped_steps,
-               "restarts": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)), "config_hash": run.config_hash}
+               "restarts": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)), "config_hash": run.config_hash,
+               "peak_mem_mb": peak_memory_mb(run.env.device), "started_unix_time": run.log.start,
+               "first_step_unix_time": first_step_at}
     if preempted:
         return summary
     summary["eval"] = evaluate(run)
     if summary["eval"]:
         run.log.metrics({"step": progress.step, "eval": summary["eval"]}, run.max_steps)
     if progress.step > resumed_from:  # else the final checkpoint is already there
-        checkpoint.save(run.run_dir, progress.step, run.model.module, train_state(run, progress),
+        checkpoint.save(run.run_dir, progress.step, run.module, train_state(run, progress),
                         run.env.is_main, run.keep_checkpoints)
     summary["checkpoint"] = str(run.run_dir / "checkpoints" / str(progress.step))
     run.log.summary(summary)

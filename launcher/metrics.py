@@ -1,8 +1,9 @@
 """The one place that writes run files and prints: rank 0 only, a no-op on every other rank.
 
-metrics.jsonl gets one JSON object per logged step; summary.json the end of the run; samples.jsonl
-(with train.log_samples) every step's sample ids; preempted.json a preemption's step.
-Exercised by: `python -m launcher +exp=toy` (look at <run_dir>/metrics.jsonl).
+metrics.jsonl and TensorBoard (tb/) get the same scalars per logged step; summary.json the end of the
+run; samples.jsonl (with train.log_samples) every step's sample ids; preempted.json a preemption's step.
+On a TTY rank 0 shows a progress bar; elsewhere (CI, Slurm logs) a plain line per logged step.
+Exercised by: `python -m launcher +exp=toy` (look at <run_dir>/metrics.jsonl and tb/).
 """
 from __future__ import annotations
 
@@ -14,15 +15,18 @@ from typing import Any
 
 from launcher.preempt import PREEMPTED_FILE
 
+FALLING_SCALE_LOGS = 3  # an fp16 loss scale that fell at this many logged steps in a row is worth a warning
+
 
 class RunLog:
     def __init__(self, run_dir: Path, enabled: bool):
         self.run_dir, self.enabled = run_dir, enabled
         self.start = time.time()
-        self._metrics = self._samples = None
+        self._metrics = self._samples = self._tb = self._bar = None
+        self._scales: list[float] = []
 
-    def start_at(self, step: int) -> None:
-        """Keep only the records up to `step`: later ones belong to work a restart threw away."""
+    def start_at(self, step: int, total_steps: int) -> None:
+        """Keep only the records up to `step` (later ones belong to work a restart threw away); open files."""
         if not self.enabled:
             return
         for name in ("metrics.jsonl", "samples.jsonl"):
@@ -31,14 +35,64 @@ class RunLog:
                 kept = [line for line in path.read_text().splitlines() if json.loads(line)["step"] <= step]
                 path.write_text("".join(line + "\n" for line in kept))
         self._metrics = open(self.run_dir / "metrics.jsonl", "a")
+        self._start_step = step
+        if sys.stdout.isatty():
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+            self._bar = Progress(TextColumn("train"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[status]}"),
+                                 TimeRemainingColumn(), transient=False)
+            self._task = self._bar.add_task("train", total=total_steps, completed=step, status="")
+            self._bar.start()
 
     def info(self, message: str) -> None:
-        if self.enabled:
+        if not self.enabled:
+            return
+        if self._bar:
+            self._bar.console.print(message, markup=False, highlight=False)
+        else:
             print(message, file=sys.stdout, flush=True)
 
     def warn(self, message: str) -> None:
         if self.enabled:
             print(message, file=sys.stderr, flush=True)
+
+    def advance(self) -> None:
+        if self._bar:
+            self._bar.update(self._task, advance=1)
+
+    def metrics(self, record: dict[str, Any], total_steps: int) -> None:
+        if not self.enabled:
+            return
+        record = {**record, "time": round(time.time() - self.start, 3)}
+        self._metrics.write(json.dumps(record) + "\n")
+        self._metrics.flush()
+        if self._tb is None:  # made at the first log, not before the first step: the import is slow
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(str(self.run_dir / "tb"), purge_step=self._start_step + 1 if self._start_step
+                                     else None)
+        for key, value in record.items():
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and key not in ("step", "time"):
+                self._tb.add_scalar(f"train/{key}", value, record["step"])
+        for key, value in record.get("eval", {}).items():
+            self._tb.add_scalar(f"eval/{key}", value, record["step"])
+        shown = " | ".join(f"{k} {_fmt(v)}" for k, v in record.items() if k not in ("step", "time") and v is not None)
+        if self._bar and "eval" not in record:  # a short status: a line wider than the terminal breaks the bar
+            self._bar.update(self._task, status=" | ".join(
+                f"{k} {_fmt(record[k])}" for k in ("loss", "lr", "samples_per_sec") if k in record))
+        else:
+            self.info(f"step {record['step']}/{total_steps} | {shown}")
+        if "loss_scale" in record:
+            self._watch_scale(record)
+
+    def _watch_scale(self, record: dict[str, Any]) -> None:
+        """fp16: a loss scale that keeps falling means the gradients keep overflowing."""
+        self._scales.append(record["loss_scale"])
+        recent = self._scales[-FALLING_SCALE_LOGS - 1:]
+        if len(recent) > FALLING_SCALE_LOGS and all(b < a for a, b in zip(recent, recent[1:])):
+            self.warn(f"warning: the fp16 loss scale keeps falling ({recent[0]:g} -> {recent[-1]:g} over the last "
+                      f"{FALLING_SCALE_LOGS} logs, {record['skipped_steps']} skipped steps): gradients overflow; "
+                      f"try precision=bf16, a lower optimizer.lr, or train.max_grad_norm")
 
     def samples(self, step: int, ids_per_rank: list[list[int]]) -> None:
         if self.enabled:
@@ -51,27 +105,30 @@ class RunLog:
             (self.run_dir / PREEMPTED_FILE).write_text(json.dumps({"step": step, "signal": signum}) + "\n")
             self.info(f"preempted by signal {signum}: checkpoint saved at step {step}")
 
-    def metrics(self, record: dict[str, Any], total_steps: int) -> None:
-        if not self.enabled:
-            return
-        record = {**record, "time": round(time.time() - self.start, 3)}
-        self._metrics.write(json.dumps(record) + "\n")
-        self._metrics.flush()
-        shown = " | ".join(f"{k} {_fmt(v)}" for k, v in record.items() if k not in ("step", "time"))
-        self.info(f"step {record['step']}/{total_steps} | {shown}")
-
     def summary(self, record: dict[str, Any]) -> None:
         if not self.enabled:
             return
-        path = self.run_dir / "summary.json"
-        path.write_text(json.dumps(record, indent=2) + "\n")
-        self.info(f"done: {record['steps']} steps in {record['wall_time_s']:.1f}s, final loss "
-                  f"{_fmt(record['final_loss'])}; run dir {self.run_dir}")
+        (self.run_dir / "summary.json").write_text(json.dumps(record, indent=2) + "\n")
+        self.close()
+        from rich.console import Console
+        from rich.table import Table
+
+        table = Table(title=f"run dir {self.run_dir}", show_header=False)
+        for key in ("steps", "wall_time_s", "samples_per_sec", "final_loss", "eval", "skipped_steps", "restarts",
+                    "world_size", "grad_accum_steps", "precision", "peak_mem_mb", "checkpoint"):
+            table.add_row(key, _fmt(record.get(key)))
+        Console(file=sys.stdout, width=120).print(table)
+        print(f"done: {record['steps']} steps in {record['wall_time_s']:.1f}s, final loss "
+              f"{_fmt(record['final_loss'])}; run dir {self.run_dir}", flush=True)
 
     def close(self) -> None:
-        for file in (self._metrics, self._samples):
+        if self._bar:
+            self._bar.stop()
+            self._bar = None
+        for file in (self._metrics, self._samples, self._tb):
             if file:
                 file.close()
+        self._metrics = self._samples = self._tb = None
 
 
 def _fmt(value: Any) -> str:

@@ -6,6 +6,7 @@ Exercised by: `python -m launcher +exp=toy train.global_batch_size=30` (fails: n
 from __future__ import annotations
 
 import os
+import re
 import signal
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -77,7 +78,8 @@ def make_plan(cfg: DictConfig) -> Plan:
     _require_positive(cfg, "train.global_batch_size", "train.micro_batch_size", "train.max_steps",
                       "train.log_every", "launcher.nproc_per_node", "dist.timeout_s",
                       "optimizer.lr", "train.max_grad_norm")
-    _require_positive(cfg, "train.keep_checkpoints", "train.max_bad_steps", "launcher.shutdown_timeout_s")
+    _require_positive(cfg, "train.keep_checkpoints", "train.max_bad_steps", "launcher.shutdown_timeout_s",
+                      "train.prefetch_factor")
     for key in ("train.eval_every", "train.ckpt_every", "train.num_workers", "scheduler.warmup_steps",
                 "launcher.max_restarts"):
         if OmegaConf.select(cfg, key) < 0:
@@ -87,11 +89,15 @@ def make_plan(cfg: DictConfig) -> Plan:
         raise ConfigError(f"launcher.signal={cfg.launcher.signal} is not a signal that can be caught; "
                           f"use USR2 (the default), USR1 or TERM")
     nnodes, nproc, device_type = _shape(cfg)
+    if cfg.dist.comm_hook not in (None, "fp16", "bf16"):
+        raise ConfigError(f"dist.comm_hook={cfg.dist.comm_hook} is not one of null, fp16, bf16")
     backend = cfg.dist.backend
     if backend not in ("auto", "gloo", "nccl"):
         raise ConfigError(f"dist.backend={backend} is not one of auto, gloo, nccl")
     if backend == "nccl" and device_type == "cpu":
         raise ConfigError("dist.backend=nccl needs GPUs and this run has none; use dist.backend=auto")
+    if cfg.dist.comm_hook == "bf16" and device_type == "cpu":
+        raise ConfigError("dist.comm_hook=bf16 needs GPUs with NCCL; use dist.comm_hook=fp16 (or null) here")
     world_size = nnodes * nproc
     accum = grad_accum_steps(cfg.train.global_batch_size, cfg.train.micro_batch_size, world_size)
     return Plan(nnodes=nnodes, nproc_per_node=nproc, world_size=world_size,
@@ -102,8 +108,12 @@ def resolve(cfg: DictConfig, plan: Plan) -> dict[str, Any]:
     """The fully resolved config plus the plan: the only thing workers read."""
     try:
         container = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True, enum_to_str=True)
-    except Exception as err:  # omegaconf names the key in its message
-        raise ConfigError(f"cannot resolve the config: {str(err).splitlines()[0]}") from None
+    except Exception as err:  # omegaconf names the key on a later line of its message
+        key = re.search(r"full_key: (\S+)", str(err))
+        if key and "Missing mandatory value" in str(err):
+            raise ConfigError(f"{key.group(1)} is required (it is ??? in the config); set {key.group(1)}=...") from None
+        where = f"{key.group(1)}: " if key else ""
+        raise ConfigError(f"cannot resolve the config: {where}{str(err).splitlines()[0]}") from None
     container["plan"] = asdict(plan)
     return container
 

@@ -17,7 +17,8 @@ from launcher.plan import ConfigError
 # (micro_batch_size only changes accumulation at a fixed global batch).
 NOT_TRAJECTORY = {"plan", "launcher", "dist", "resume", "name"}
 NOT_TRAJECTORY_TRAIN = {"log_every", "eval_every", "ckpt_every", "keep_checkpoints", "num_workers",
-                        "max_bad_steps", "log_samples", "micro_batch_size"}
+                        "persistent_workers", "prefetch_factor", "compile", "max_bad_steps", "log_samples",
+                        "micro_batch_size"}
 
 
 def trajectory_config(config: dict[str, Any]) -> dict[str, Any]:
@@ -57,7 +58,11 @@ def check_resume(run_dir: Path, config: dict[str, Any]) -> int | None:
         return None
     previous = run_dir / "config.yaml"
     if previous.is_file() and not allow_change:
-        old = trajectory_config(OmegaConf.to_container(OmegaConf.load(previous)))
+        try:
+            old = trajectory_config(OmegaConf.to_container(OmegaConf.load(previous)))
+        except Exception as err:  # unreadable, or not YAML
+            raise ConfigError(f"{previous} cannot be read ({type(err).__name__}); restore it, use a new "
+                              f"hydra.run.dir, or set resume.allow_config_change=true") from None
         changed = differing_keys(old, trajectory_config(config))
         if changed:
             raise ConfigError(f"the checkpoints in {run_dir} were trained with a different config "

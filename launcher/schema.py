@@ -48,6 +48,10 @@ class TrainConfig:
     keep_checkpoints: int = 2  # complete checkpoints kept; older ones are deleted
     max_bad_steps: int = 20  # consecutive steps with non-finite gradients before the run stops
     num_workers: int = 0  # DataLoader worker processes per rank
+    persistent_workers: bool = True  # keep them between epochs of the loader (with num_workers > 0)
+    prefetch_factor: int = 2  # windows each worker prepares ahead
+    compile: bool = False  # torch.compile the model (DDP wraps the compiled module: gradients still sync)
+    tf32: bool = True  # TF32 matmuls on Ampere+ GPUs
     log_samples: bool = False  # write every step's sample ids to samples.jsonl (for audits and tests)
 
 
@@ -101,6 +105,7 @@ class DistConfig:
     gradient_as_bucket_view: bool = True
     static_graph: bool = False
     find_unused_parameters: bool = False
+    comm_hook: Optional[str] = None  # fp16 / bf16: compress gradients on the wire (halves the bytes)
 
 
 @dataclass

@@ -15,6 +15,7 @@ import torch.distributed as dist
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from torch.distributed.elastic.multiprocessing.errors import record
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from launcher import checkpoint
@@ -29,6 +30,14 @@ from launcher.resume import config_hash
 from launcher.schedule import build_scheduler
 
 
+COMM_HOOKS = {"fp16": default_hooks.fp16_compress_hook, "bf16": default_hooks.bf16_compress_hook}
+
+
+def _takes_fused(optimizer_cfg: DictConfig) -> bool:
+    """Fused kernels for Adam/AdamW/SGD on CUDA, unless the config already says otherwise."""
+    return "fused" not in optimizer_cfg and optimizer_cfg._target_.rsplit(".", 1)[-1] in ("Adam", "AdamW", "SGD")
+
+
 def seed_all(seed: int) -> None:
     random.seed(seed)
     torch.manual_seed(seed)  # also seeds CUDA
@@ -40,14 +49,22 @@ def build(cfg: DictConfig, run_dir: Path, env: launcher_dist.DistEnv) -> Run:
     seed_all(train_cfg.seed)  # the same initial weights on every rank (DDP also broadcasts rank 0's)
     task = instantiate(cfg.data)
     model = instantiate(cfg.model).to(env.device)
-    ddp = DDP(model, device_ids=[env.local_rank] if env.device.type == "cuda" else None,
+    if env.device.type == "cuda" and train_cfg.tf32:  # TF32 matmuls on Ampere+: ~free speed for fp32 parts
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+    # Compile the module and wrap THAT in DDP: DDP's gradient hooks stay on the parameters, so gradients
+    # are still synchronized (compiling ddp.module after wrapping is what breaks it, pytorch#109774).
+    trained = torch.compile(model) if train_cfg.compile else model
+    ddp = DDP(trained, device_ids=[env.local_rank] if env.device.type == "cuda" else None,
               bucket_cap_mb=cfg.dist.bucket_cap_mb, gradient_as_bucket_view=cfg.dist.gradient_as_bucket_view,
               static_graph=cfg.dist.static_graph, find_unused_parameters=cfg.dist.find_unused_parameters,
               # Buffers are synced at init only: ranks may run different numbers of micro-batches in a
               # short last window, and a per-forward broadcast would pair up mismatched collectives.
               forward_sync_buffers=False)
+    if cfg.dist.comm_hook:  # compress gradients to 16 bits on the wire (and back) before averaging
+        ddp.register_comm_hook(dist.group.WORLD, COMM_HOOKS[cfg.dist.comm_hook])
     seed_all(train_cfg.seed * 1_000_003 + env.rank)  # dropout/augmentation noise differs per rank
-    optimizer = instantiate(cfg.optimizer, params=ddp.parameters())
+    fused = {"fused": True} if env.device.type == "cuda" and _takes_fused(cfg.optimizer) else {}
+    optimizer = instantiate(cfg.optimizer, params=ddp.parameters(), **fused)
     scheduler = build_scheduler(optimizer, cfg.scheduler.name, cfg.scheduler.warmup_steps, train_cfg.max_steps,
                                 cfg.scheduler.min_lr_ratio)
     precision = Precision(cfg.precision.name, env.device.type)
@@ -56,8 +73,8 @@ def build(cfg: DictConfig, run_dir: Path, env: launcher_dist.DistEnv) -> Run:
     if data_plan.steps_per_epoch == 0:
         raise ValueError(f"the train set has {data_plan.n_samples} samples, fewer than train.global_batch_size="
                          f"{train_cfg.global_batch_size} with train.drop_last=true")
-    return Run(run_dir=run_dir, env=env, task=task, model=ddp, optimizer=optimizer, scheduler=scheduler,
-               scaler=precision.grad_scaler(cfg.precision.init_scale, cfg.precision.growth_interval),
+    return Run(run_dir=run_dir, env=env, task=task, model=ddp, module=model, optimizer=optimizer,
+               scheduler=scheduler, scaler=precision.grad_scaler(cfg.precision.init_scale, cfg.precision.growth_interval),
                precision=precision, data_plan=data_plan,
                grad_accum_steps=grad_accum_steps(train_cfg.global_batch_size, train_cfg.micro_batch_size,
                                                  env.world_size),
@@ -66,6 +83,7 @@ def build(cfg: DictConfig, run_dir: Path, env: launcher_dist.DistEnv) -> Run:
                eval_every=train_cfg.eval_every, ckpt_every=train_cfg.ckpt_every,
                keep_checkpoints=train_cfg.keep_checkpoints, max_bad_steps=train_cfg.max_bad_steps,
                log_samples=train_cfg.log_samples, num_workers=train_cfg.num_workers,
+               persistent_workers=train_cfg.persistent_workers, prefetch_factor=train_cfg.prefetch_factor,
                log=RunLog(run_dir, enabled=env.is_main), config_hash=config_hash(OmegaConf.to_container(cfg)))
 
 
@@ -105,9 +123,9 @@ def main(config_path: str) -> None:
             raise RuntimeError(f"ranks read different configs: {hashes}")
         state = None
         if cfg.resume.mode != "never":
-            state = checkpoint.load_latest(path.parent, run.model.module, run.log.warn)
+            state = checkpoint.load_latest(path.parent, run.module, run.log.warn)
         progress = restore(run, state, cfg.train.seed, cfg.resume.allow_config_change)
-        run.log.start_at(progress.step)
+        run.log.start_at(progress.step, run.max_steps)
         run.log.info(f"run dir {path.parent} | world size {env.world_size} | grad accum "
                      f"{run.grad_accum_steps} | precision {run.precision.name} | config {hashes[0]}")
         summary = train(run, progress, stop)

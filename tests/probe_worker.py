@@ -3,7 +3,7 @@
 It builds the run exactly as launcher.worker does, then drives launcher.step.train_step while recording
 what a test needs: comm-hook calls, gradients after each micro-step, grad norms, param hashes,
 loss scale and LR-scheduler position; mode `eval` runs only the launcher's evaluation.
-Usage: torchrun ... probe_worker.py <config.yaml> <sync|fp16|eval> [inf_step]; writes probe_rank<r>.pt
+Usage: torchrun ... probe_worker.py <config.yaml> <sync|fp16|eval|knobs> [inf_step]; writes probe_rank<r>.pt
 """
 from __future__ import annotations
 
@@ -42,6 +42,19 @@ def main(config_path: str, mode: str, inf_step: int = -1) -> None:
                  "random_draw": torch.rand(1).item(), "steps": []}
     if mode == "eval":
         out["eval"] = evaluate(run)
+        finish(out, config_path, env.rank)
+        return
+    if mode == "knobs":  # what DDP, the optimizer and torch report after one real step
+        windows = StepWindows(run.task, run.data_plan, env.rank, env.world_size, run.grad_accum_steps)
+        train_step(run.model, run.task, windows[0], run.optimizer, run.scheduler, run.scaler, run.precision,
+                   run.max_grad_norm, env.device)
+        ddp = run.model._get_ddp_logging_data()
+        out["knobs"] = {"bucket_cap_bytes": ddp["bucket_cap_bytes"], "comm_hook": ddp.get("comm_hook"),
+                        "gradient_as_bucket_view": ddp["gradient_as_bucket_view"],
+                        "static_graph": int(run.model.static_graph),
+                        "find_unused_parameters": int(run.model.find_unused_parameters),
+                        "fused": run.optimizer.defaults.get("fused"), "tf32": torch.backends.cuda.matmul.allow_tf32,
+                        "compiled": type(run.model.module).__name__}
         finish(out, config_path, env.rank)
         return
 

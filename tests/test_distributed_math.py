@@ -80,10 +80,12 @@ def same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
     return all(torch.equal(x, y) for x, y in zip(a, b))
 
 
-def test_one_gradient_sync_per_step_and_ranks_stay_identical(tmp_path: Path) -> None:
-    """Issue 2 tests 2-3, PITFALLS #3 and #17."""
+@pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])
+def test_one_gradient_sync_per_step_and_ranks_stay_identical(tmp_path: Path, compile: bool) -> None:
+    """Issue 2 tests 2-3, PITFALLS #3 and #17; with train.compile=true also PITFALLS #23 (issue 7)."""
     ranks = probe(tmp_path, 2, "sync", "train.global_batch_size=32", "train.micro_batch_size=4",
-                  "train.max_steps=5", "train.max_grad_norm=0.05")  # accum 4; clipping really clips
+                  "train.max_steps=5", "train.max_grad_norm=0.05",  # accum 4; clipping really clips
+                  f"train.compile={str(compile).lower()}")
     r0, r1 = ranks
     assert r0["init_params"] == r1["init_params"]  # same initial weights on every rank
     assert r0["random_draw"] != r1["random_draw"]  # but per-rank noise for dropout/augmentation

@@ -1,0 +1,135 @@
+"""The launcher vs a minimal hand-written torchrun + DDP loop on the same workload, interleaved A B A B.
+
+Per precision and round: seconds per optimizer step (median over log intervals after the first), the
+launcher/raw ratio within the round, seconds from command start to the end of the first optimizer step,
+peak RSS of rank 0; then gradient all-reduces per optimizer step, counted with a comm hook.
+Run (about 15 minutes on 2 CPU cores): python bench/compare.py [--rounds 3] [--out bench/RESULTS.md]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+STEPS, LOG_EVERY = 20, 2
+
+
+def per_step(stamps: list[float]) -> float:
+    """Median seconds per step over the log intervals after the first (which holds the warm-up)."""
+    return statistics.median((b - a) / LOG_EVERY for a, b in zip(stamps[1:], stamps[2:]))
+
+
+def run_launcher(precision: str, work: Path, log_every: int = LOG_EVERY) -> dict:
+    run_dir = work / f"launcher-{precision}-{time.time_ns()}"
+    started = time.time()
+    subprocess.run([sys.executable, "-m", "launcher", "+exp=bench", f"precision={precision}",
+                    f"train.max_steps={STEPS}", f"train.log_every={log_every}", f"hydra.run.dir={run_dir}"],
+                   cwd=REPO, check=True, capture_output=True)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    stamps = [summary["started_unix_time"] + r["time"] for r in records if "loss" in r]
+    return {"step_s": per_step(stamps) if len(stamps) > 2 else None, "first_step_s": summary["first_step_unix_time"] - started,
+            "peak_rss_mb": summary["peak_mem_mb"],
+            "mean_step_s": (stamps[-1] - summary["first_step_unix_time"]) / (summary["steps"] - 1)}
+
+
+def logging_cost(work: Path, rounds: int) -> list[float]:
+    """Launcher step time logging every step over logging every 50 steps (fp32), per round."""
+    ratios = []
+    for _ in range(rounds):
+        every = run_launcher("fp32", work, log_every=1)["mean_step_s"]
+        rarely = run_launcher("fp32", work, log_every=50)["mean_step_s"]
+        ratios.append(every / rarely)
+        print(f"log every step / every 50: {ratios[-1]:.3f}", flush=True)
+    return ratios
+
+
+def raw_result(*args: str) -> dict:
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                          str(REPO / "bench" / "raw_ddp.py"), *args], cwd=REPO, check=True, capture_output=True,
+                         text=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def run_raw(precision: str) -> dict:
+    started = time.time()
+    result = raw_result(f"--precision={precision}", f"--steps={STEPS}", f"--log-every={LOG_EVERY}")
+    return {"step_s": per_step(result["stamps"]), "first_step_s": result["first_step_unix_time"] - started,
+            "peak_rss_mb": result["peak_rss_mb"]}
+
+
+def count_launcher_syncs(work: Path) -> dict:
+    from hydra import compose, initialize_config_dir
+
+    from launcher.plan import make_plan, resolve, write_config
+    from launcher.schema import register
+
+    register()
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        cfg = compose(config_name="config", overrides=["+exp=bench"])
+    config_path = write_config(work / "count", resolve(cfg, make_plan(cfg)))
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                          str(REPO / "bench" / "count_syncs.py"), str(config_path), "3"], cwd=REPO, check=True,
+                         capture_output=True, text=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--precisions", default="fp32,bf16")
+    parser.add_argument("--out", type=Path, default=REPO / "bench" / "RESULTS.md")
+    args = parser.parse_args()
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        for precision in args.precisions.split(","):
+            rounds = []
+            for r in range(args.rounds):
+                launcher, raw = run_launcher(precision, work), run_raw(precision)  # A then B, every round
+                rounds.append((launcher, raw))
+                print(f"{precision} round {r + 1}: launcher {launcher['step_s']:.3f} s/step, raw {raw['step_s']:.3f} "
+                      f"s/step, ratio {launcher['step_s'] / raw['step_s']:.3f}; first step {launcher['first_step_s']:.2f}"
+                      f" s vs {raw['first_step_s']:.2f} s", flush=True)
+            ratios = [a["step_s"] / b["step_s"] for a, b in rounds]
+            rows.append({"precision": precision, "launcher_step_s": statistics.median(a["step_s"] for a, _ in rounds),
+                         "raw_step_s": statistics.median(b["step_s"] for _, b in rounds),
+                         "ratio_median": statistics.median(ratios), "ratios": ratios,
+                         "first_step_delta_s": statistics.median(a["first_step_s"] - b["first_step_s"] for a, b in rounds),
+                         "launcher_first_step_s": statistics.median(a["first_step_s"] for a, _ in rounds),
+                         "raw_first_step_s": statistics.median(b["first_step_s"] for _, b in rounds),
+                         "launcher_rss_mb": max(a["peak_rss_mb"] for a, _ in rounds),
+                         "raw_rss_mb": max(b["peak_rss_mb"] for _, b in rounds)})
+        log_ratios = logging_cost(work, args.rounds)
+        syncs = count_launcher_syncs(work)
+        raw_syncs = raw_result("--count-syncs", "--steps=3", "--log-every=1")["syncs_per_step"]
+    lines = [f"# Benchmark: launcher vs a hand-written torchrun DDP loop\n",
+             f"Machine: {platform.machine()}, {platform.processor() or 'cpu'}, {__import__('os').cpu_count()} cores; "
+             f"torch {__import__('torch').__version__}; 2 ranks (gloo); BERT 4 x 256, 4 heads, seq 128, random tokens,"
+             f" micro-batch 8, accumulation 4, AdamW, clipping 1.0; {args.rounds} interleaved rounds of {STEPS} steps.\n",
+             "| precision | launcher s/step | raw s/step | ratio (median; per round) | first step: launcher / raw / delta (s) "
+             "| peak RSS rank 0: launcher / raw (MB) |", "|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['precision']} | {r['launcher_step_s']:.3f} | {r['raw_step_s']:.3f} | {r['ratio_median']:.3f}; "
+                     f"{', '.join(f'{x:.3f}' for x in r['ratios'])} | {r['launcher_first_step_s']:.2f} / "
+                     f"{r['raw_first_step_s']:.2f} / {r['first_step_delta_s']:+.2f} | {r['launcher_rss_mb']:.0f} / "
+                     f"{r['raw_rss_mb']:.0f} |")
+    lines.append(f"\nGradient all-reduce hook calls per optimizer step: launcher {syncs['hook_calls_per_step']:g} "
+                 f"({syncs['buckets']} DDP bucket(s), so {syncs['hook_calls_per_step'] / syncs['buckets']:g} all-reduce "
+                 f"round per step); raw loop {raw_syncs:g}.\n")
+    lines.append(f"Launcher step time, logging every step / every 50 steps (fp32, {STEPS} steps, per round): "
+                 f"{', '.join(f'{x:.3f}' for x in log_ratios)}; median {statistics.median(log_ratios):.3f}.\n")
+    args.out.write_text("\n".join(lines))
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,67 @@
+"""Checks of common job conventions, in the parent before any worker starts: local files that exist and
+hold the named columns, model ids that can load offline. By key name only: launcher/ never imports jobs/.
+
+Exercised by: `python -m launcher +exp=bert data=files data.path=missing.csv` (one-line error, exit 2).
+"""
+from __future__ import annotations
+
+import csv
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from launcher.plan import ConfigError
+
+PATH_KEYS = ("path", "eval_path")  # data files a job reads
+MODEL_KEYS = ("pretrained", "tokenizer")  # HF hub ids or local dirs
+COLUMN_KEYS = ("text_fields", "label_field", "text_field")  # columns a tabular file must hold
+
+
+def _offline() -> bool:
+    return any(os.environ.get(v, "0").lower() in ("1", "true", "yes") for v in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
+
+
+def _columns(path: Path) -> list[str] | None:
+    """Column names of a CSV / JSON Lines / Parquet file (None for other formats)."""
+    if path.suffix == ".csv":
+        with open(path, newline="") as f:
+            return next(csv.reader(f), [])
+    if path.suffix in (".jsonl", ".json"):
+        with open(path) as f:
+            first = f.readline()
+        return list(json.loads(first)) if first.strip().startswith("{") else None
+    if path.suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        return pq.read_schema(path).names
+    return None
+
+
+def check_job_inputs(config: dict[str, Any]) -> None:
+    for group in ("model", "data"):  # model first: data.tokenizer usually repeats model.pretrained
+        section = config.get(group) or {}
+        for key in PATH_KEYS:
+            value = section.get(key)
+            if value and not Path(value).is_file():
+                raise ConfigError(f"{group}.{key}={value} does not exist; give an existing file")
+        for key in MODEL_KEYS:
+            value = section.get(key)
+            if not isinstance(value, str) or Path(value).is_dir():
+                continue
+            if value.startswith(("/", ".", "~")):
+                raise ConfigError(f"{group}.{key}={value} is not a directory; give a dir written by save_pretrained "
+                                  f"or a hub id such as bert-base-uncased")
+            if _offline():
+                raise ConfigError(f"{group}.{key}={value} is a hub id but the hub is off (HF_HUB_OFFLINE=1); it needs "
+                                  f"the hub, or a local dir written by save_pretrained")
+    data = config.get("data") or {}
+    wanted = [c for key in COLUMN_KEYS for c in ([data[key]] if isinstance(data.get(key), str) else data.get(key) or [])]
+    for key in PATH_KEYS:
+        path = Path(data[key]) if data.get(key) else None
+        columns = _columns(path) if path else None
+        missing = [c for c in wanted if columns is not None and c not in columns]
+        if missing:
+            raise ConfigError(f"data.{key}={path} has no column(s) {missing} (its columns: {columns}); "
+                              f"set data.text_fields / data.label_field to its columns")
+

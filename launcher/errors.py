@@ -1,0 +1,93 @@
+"""Config mistakes in one line: Hydra reports compose errors over many lines before our code runs.
+
+Until the task function starts, stderr is held back; if Hydra exits with an error instead, its text is
+condensed into one `error: ...` line and the exit code is 2. HYDRA_FULL_ERROR=1 shows Hydra's own report.
+Exercised by: `python -m launcher +exp=toy train.micro_batchsize=4`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import io
+import os
+import re
+import sys
+from contextlib import contextmanager
+from typing import Iterator
+
+from launcher import schema
+
+_held: dict[str, object] = {}  # the real stderr while Hydra's output is held back
+
+
+def _schema_fields(type_name: str) -> list[str]:
+    cls = getattr(schema, type_name, None)
+    return [f.name for f in dataclasses.fields(cls)] if dataclasses.is_dataclass(cls) else []
+
+
+def condense(text: str) -> str:
+    """Hydra's multi-line report -> one line that names the key and what would be valid."""
+    lines, options, skip_block = [], [], False
+    full_key = object_type = None
+    for raw in text.splitlines():
+        line = raw.strip()
+        if not line or line.startswith("Set the environment variable HYDRA_FULL_ERROR"):
+            continue
+        if line.startswith(("Config search path:", "Traceback (most recent call last):")):
+            skip_block = True
+            continue
+        if skip_block and raw[:1] in (" ", "\t"):
+            continue
+        skip_block = False
+        if line.startswith("full_key:"):
+            full_key = line.split(":", 1)[1].strip()
+        elif line.startswith("object_type="):
+            object_type = line.split("=", 1)[1].strip()
+        elif line.startswith("reference_type="):
+            continue
+        elif raw.startswith("\t"):  # an "Available options" list
+            options.append(line)
+        else:
+            lines.append(line.rstrip(".:") if line.startswith("Available options") else line.rstrip("."))
+    message = "; ".join(lines)
+    if options:
+        message += ": " + ", ".join(options)
+    if "mkdir" in text and "Error" in message:  # Hydra creates the run dir before our code runs
+        message = f"hydra.run.dir (or hydra.sweep.dir) cannot be created: {message}"
+    unknown = re.search(r"Key '([^']+)' not in '(\w+)'", message)
+    if unknown and object_type:
+        valid = _schema_fields(object_type)
+        close = difflib.get_close_matches(unknown.group(1), valid, n=1)
+        prefix = full_key.rsplit(".", 1)[0] + "." if full_key and "." in full_key else ""
+        message += f"; did you mean {prefix}{close[0]}?" if close else f"; valid keys: {', '.join(valid)}"
+    elif full_key and full_key not in message:
+        message = f"{full_key}: {message}"
+    return message or "Hydra could not compose the config"
+
+
+@contextmanager
+def hydra_errors_in_one_line() -> Iterator[None]:
+    if os.environ.get("HYDRA_FULL_ERROR") == "1":
+        yield
+        return
+    buffer = io.StringIO()
+    _held["stderr"], sys.stderr = sys.stderr, buffer
+    try:
+        yield
+    except SystemExit as stop:
+        if sys.stderr is buffer and stop.code not in (0, None):  # Hydra failed before our task ran
+            release_stderr(replay=False)
+            print(f"error: {condense(buffer.getvalue())}", file=sys.stderr)
+            raise SystemExit(2) from None
+        raise
+    finally:
+        release_stderr()
+
+
+def release_stderr(replay: bool = True) -> None:
+    """Give stderr back (the task has started: from here on our own errors are one line already)."""
+    if "stderr" in _held:
+        held, real = sys.stderr, _held.pop("stderr")
+        sys.stderr = real
+        if replay and isinstance(held, io.StringIO):
+            real.write(held.getvalue())

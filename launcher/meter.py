@@ -1,0 +1,80 @@
+"""Throughput, memory and MFU of a log interval, accumulated on the device (no host sync per step) and
+read out only at log steps. Exercised by: `python -m launcher +exp=bert` (metrics.jsonl, tb/).
+"""
+from __future__ import annotations
+
+import resource
+import time
+from typing import Any
+
+import torch
+
+from launcher.dist import all_reduce_sum
+
+# Dense peak FLOP/s per GPU for bf16/fp16 tensor cores (fp32 runs use TF32, about half).
+PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10": 125e12, "L4": 121e12,
+              "V100": 125e12, "4090": 165e12}
+
+
+def peak_flops(device: torch.device, precision: str) -> float | None:
+    """The GPU's peak for this precision, or None where it is unknown (every CPU: not invented)."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    peak = next((v for k, v in PEAK_FLOPS.items() if k in name), None)
+    if peak and "PCIe" in name and "H100" in name:
+        peak = 756e12
+    return None if peak is None else peak / (2 if precision == "fp32" else 1)
+
+
+def training_flops_per_item(model: torch.nn.Module) -> float:
+    """6 x non-embedding parameters: forward + backward FLOPs per token (or per sample without tokens)."""
+    embedding = sum(p.numel() for m in model.modules() if isinstance(m, torch.nn.Embedding) for p in m.parameters())
+    return 6.0 * (sum(p.numel() for p in model.parameters()) - embedding)
+
+
+def peak_memory_mb(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # peak RSS; Linux reports KiB
+
+
+class Meter:
+    def __init__(self, device: torch.device, flops_per_item: float, peak: float | None, world_size: int):
+        self.device, self.flops_per_item, self.peak, self.world_size = device, flops_per_item, peak, world_size
+        self.loss = torch.zeros((), device=device)
+        self.tokens = torch.zeros((), device=device)
+        self.reset()
+
+    def reset(self) -> None:
+        self.steps = self.samples = 0
+        self.data_wait_s = 0.0
+        self.started = time.perf_counter()
+        self.loss.zero_()
+        self.tokens.zero_()
+        self.has_tokens = False
+
+    def add(self, samples: int, loss: torch.Tensor, tokens: torch.Tensor | None, data_wait_s: float) -> None:
+        self.steps += 1
+        self.samples += samples
+        self.data_wait_s += data_wait_s
+        self.loss += loss
+        if tokens is not None:
+            self.tokens += tokens
+            self.has_tokens = True
+
+    def read(self) -> dict[str, Any]:
+        """The interval's means and rates; every rank calls it (tokens are summed over ranks)."""
+        elapsed = time.perf_counter() - self.started
+        record: dict[str, Any] = {"loss": (self.loss / max(self.steps, 1)).item(),
+                                  "samples_per_sec": self.samples / elapsed}
+        items_per_sec = record["samples_per_sec"]
+        if self.has_tokens:
+            record["tokens_per_sec"] = all_reduce_sum(self.tokens).item() / elapsed
+            items_per_sec = record["tokens_per_sec"]
+        record["mfu"] = None if self.peak is None else \
+            self.flops_per_item * items_per_sec / (self.peak * self.world_size)
+        record["data_wait_frac"] = self.data_wait_s / elapsed
+        record["peak_mem_mb"] = peak_memory_mb(self.device)
+        self.reset()
+        return record

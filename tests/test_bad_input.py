@@ -1,0 +1,72 @@
+"""Every user mistake: exit 2 before any worker starts, ONE line naming the key and what would be valid,
+no traceback, no half-made run dir (issue 6)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from conftest import run_cli
+
+
+def make_csv(tmp_path: Path) -> str:
+    path = tmp_path / "reviews.csv"
+    path.write_text("review,stars\ngreat film,5\n")
+    return str(path)
+
+
+def make_run_dir_with_corrupt_config(tmp_path: Path) -> str:
+    run_dir = tmp_path / "old_run"
+    (run_dir / "checkpoints" / "10").mkdir(parents=True)
+    (run_dir / "checkpoints" / "10" / "COMPLETE").write_text("{}")
+    (run_dir / "config.yaml").write_text("train: [unclosed\n")
+    return str(run_dir)
+
+
+CASES = {  # name: (overrides, or a function of tmp_path giving them; what the line must say)
+    "unknown key": (["+exp=toy", "train.micro_batchsize=4"], "did you mean train.micro_batch_size?"),
+    "unknown group option": (["+exp=toy", "precision=fp8"], "Available options in 'precision': bf16, fp16, fp32"),
+    "unknown exp": (["+exp=nope"], "Available options in 'exp': bench, bert, bert_mlm, toy"),
+    "wrong type": (["+exp=toy", "train.max_steps=abc"], "train.max_steps=abc"),
+    "indivisible batch": (["+exp=toy", "train.global_batch_size=30"],
+                          "train.global_batch_size=30 is not divisible by train.micro_batch_size=8"),
+    "zero steps": (["+exp=toy", "train.max_steps=0"], "train.max_steps=0 must be > 0"),
+    "zero micro batch": (["+exp=toy", "train.micro_batch_size=0"], "train.micro_batch_size=0 must be > 0"),
+    "negative lr": (["+exp=toy", "optimizer.lr=-1e-3"], "optimizer.lr=-0.001 must be > 0"),
+    "nccl without gpus": (["+exp=toy", "dist.backend=nccl"], "dist.backend=nccl needs GPUs"),
+    "bf16 compression on cpu": (["+exp=toy", "dist.comm_hook=bf16"], "dist.comm_hook=bf16 needs GPUs with NCCL"),
+    "bad signal": (["+exp=toy", "launcher.signal=FOO"], "launcher.signal=FOO is not a signal"),
+    "missing data path": (["+exp=bert", "data=files", "data.path=/no/such/train.csv"],
+                          "data.path=/no/such/train.csv does not exist"),
+    "data path not set": (["+exp=bert", "data=files"], "data.path is required (it is ??? in the config); set data.path=..."),
+    "wrong columns": (lambda tmp: ["+exp=bert", "data=files", f"data.path={make_csv(tmp)}"],
+                      "has no column(s) ['text', 'label'] (its columns: ['review', 'stars'])"),
+    "hub id offline": (["+exp=bert", "model.pretrained=bert-base-uncased"],
+                       "model.pretrained=bert-base-uncased is a hub id but the hub is off"),
+    "model dir missing": (["+exp=bert", "model.pretrained=/no/such/model"],
+                          "model.pretrained=/no/such/model is not a directory"),
+    "resume=must without checkpoint": (["+exp=toy", "resume=must"], "resume=must but"),
+    "slurm zero nodes": (["+exp=toy", "launcher=slurm", "launcher.nodes=0"], "launcher.nodes=0 must be > 0"),
+    "slurm negative timeout": (["+exp=toy", "launcher=slurm", "launcher.timeout_min=-5"],
+                               "launcher.timeout_min=-5 must be > 0"),
+    "run dir cannot be made": (["+exp=toy", "hydra.run.dir=/etc/passwd/run"], "hydra.run.dir"),
+    "unreadable run dir": (lambda tmp: ["+exp=toy", f"hydra.run.dir={make_run_dir_with_corrupt_config(tmp)}"],
+                           "config.yaml cannot be read"),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_bad_input_is_one_line_naming_the_key(name: str, tmp_path: Path) -> None:
+    overrides, expected = CASES[name]
+    if callable(overrides):
+        overrides = overrides(tmp_path)
+    fresh_run_dir = tmp_path / "run"
+    if not any(o.startswith("hydra.run.dir=") for o in overrides):
+        overrides = [*overrides, f"hydra.run.dir={fresh_run_dir}"]
+    out = run_cli(*overrides, cwd=tmp_path)
+    assert out.returncode == 2, out.stdout[-1000:] + out.stderr[-2000:]
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1, out.stderr
+    assert lines[0].startswith("error: ") and expected in lines[0], lines[0]
+    assert "Traceback" not in out.stdout + out.stderr
+    assert not fresh_run_dir.exists()  # nothing half-made is left behind
