@@ -105,7 +105,7 @@ def train(run: Run, progress: Progress, stop: StopFlag) -> dict[str, Any]:
 
     A preemption request ends the loop at the next step boundary with a complete checkpoint.
     """
-    resumed_from = progress.step
+    resumed_from, resumed_samples = progress.step, progress.samples
     windows = StepWindows(run.task, run.data_plan, run.env.rank, run.env.world_size, run.grad_accum_steps)
     loader = window_loader(windows, range(progress.step, run.max_steps), run.num_workers,
                            pin_memory=run.env.device.type == "cuda", persistent_workers=run.persistent_workers,
@@ -113,7 +113,7 @@ def train(run: Run, progress: Progress, stop: StopFlag) -> dict[str, Any]:
                            worker_init_fn=partial(ignore_in_data_workers, signals=stop.signals))
     meter = Meter(run.env.device, training_flops_per_item(run.module),
                   peak_flops(run.env.device, run.precision.name), run.env.world_size)
-    started, launch_samples, loss, preempted, first_step_at = time.perf_counter(), 0, float("nan"), False, None
+    started, loss, preempted, first_step_at = time.perf_counter(), float("nan"), False, None
     for window, data_wait_s in timed(loader):
         result = train_step(run.model, run.task, window, run.optimizer, run.scheduler, run.scaler,
                             run.precision, run.max_grad_norm, run.env.device, stop_requested=stop.requested)
@@ -121,7 +121,6 @@ def train(run: Run, progress: Progress, stop: StopFlag) -> dict[str, Any]:
         progress.step += 1
         step = progress.step
         progress.samples += window.step_samples
-        launch_samples += window.step_samples
         progress.skipped_steps += not result.stepped
         progress.bad_in_a_row = 0 if result.stepped else progress.bad_in_a_row + 1
         if progress.bad_in_a_row >= run.max_bad_steps:  # the flag is agreed: every rank stops here
@@ -143,8 +142,7 @@ def train(run: Run, progress: Progress, stop: StopFlag) -> dict[str, Any]:
             run.log.metrics(record, run.max_steps)
 
         if result.stop:  # agreed by all ranks in the step's all-reduce
-            checkpoint.save(run.run_dir, step, run.module, train_state(run, progress), run.env.is_main,
-                            run.keep_checkpoints)
+            save_checkpoint(run, progress)
             run.log.preempted(step, stop.signum)
             # No rank exits before the marker exists: a node's launcher reads it once its workers exit.
             torch.distributed.barrier()
@@ -153,12 +151,12 @@ def train(run: Run, progress: Progress, stop: StopFlag) -> dict[str, Any]:
         if run.eval_every and step % run.eval_every == 0 and step != run.max_steps:
             run.log.metrics({"step": step, "eval": evaluate(run)}, run.max_steps)
         if run.ckpt_every and step % run.ckpt_every == 0 and step != run.max_steps:
-            checkpoint.save(run.run_dir, step, run.module, train_state(run, progress), run.env.is_main,
-                            run.keep_checkpoints)
+            save_checkpoint(run, progress)
 
     wall = time.perf_counter() - started
     summary = {"steps": progress.step, "final_loss": loss, "preempted": preempted, "resumed_from": resumed_from,
-               "wall_time_s": wall, "samples_per_sec": launch_samples / wall if wall else 0.0,
+               "wall_time_s": wall,
+               "samples_per_sec": (progress.samples - resumed_samples) / wall if wall else 0.0,
                "world_size": run.env.world_size, "grad_accum_steps": run.grad_accum_steps,
                "precision": run.precision.name, "skipped_steps": progress.skipped_steps,
                "restarts": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)), "config_hash": run.config_hash,
@@ -170,11 +168,16 @@ def train(run: Run, progress: Progress, stop: StopFlag) -> dict[str, Any]:
     if summary["eval"]:
         run.log.metrics({"step": progress.step, "eval": summary["eval"]}, run.max_steps)
     if progress.step > resumed_from:  # else the final checkpoint is already there
-        checkpoint.save(run.run_dir, progress.step, run.module, train_state(run, progress),
-                        run.env.is_main, run.keep_checkpoints)
+        save_checkpoint(run, progress)
     summary["checkpoint"] = str(run.run_dir / "checkpoints" / str(progress.step))
     run.log.summary(summary)
     return summary
+
+
+def save_checkpoint(run: Run, progress: Progress) -> None:
+    """All ranks enter (RNG states are gathered); rank 0 writes checkpoints/<step>/."""
+    checkpoint.save(run.run_dir, progress.step, run.module, train_state(run, progress), run.env.is_main,
+                    run.keep_checkpoints)
 
 
 def train_state(run: Run, progress: Progress) -> dict[str, Any]:
