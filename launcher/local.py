@@ -6,7 +6,6 @@ on 29500. The agent relays SIGTERM and the preemption signal to every worker and
 """
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
@@ -16,7 +15,7 @@ from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
 from launcher.plan import Plan
-from launcher.preempt import PREEMPTED_FILE, REQUEUE_EXIT_CODE, preemption_signals
+from launcher.preempt import PREEMPTED_FILE, REQUEUE_EXIT_CODE, preemption_signals, read_preempted
 
 
 def torchrun_args(config_path: Path, plan: Plan, launcher: DictConfig, rendezvous: list[str]) -> list[str]:
@@ -25,11 +24,6 @@ def torchrun_args(config_path: Path, plan: Plan, launcher: DictConfig, rendezvou
     return [*rendezvous, f"--nnodes={plan.nnodes}", f"--nproc-per-node={plan.nproc_per_node}",
             f"--max-restarts={launcher.max_restarts}", f"--signals-to-handle={','.join(sorted(relayed))}",
             f"--shutdown-timeout={launcher.shutdown_timeout_s}", "--module", "launcher.worker", str(config_path)]
-
-
-def preempted_step(run_dir: Path) -> int | None:
-    marker = run_dir / PREEMPTED_FILE
-    return json.loads(marker.read_text())["step"] if marker.exists() else None
 
 
 def run_local(config_path: Path, plan: Plan, launcher: DictConfig) -> int:
@@ -56,9 +50,9 @@ def run_agent(args: list[str], run_dir: Path) -> int:
             return code
     else:
         code = 0
-    step = preempted_step(run_dir)
-    if step is not None:
-        print(f"preempted: checkpoint saved at step {step}; relaunch with hydra.run.dir={run_dir} to resume "
+    preempted = read_preempted(run_dir)
+    if preempted is not None:
+        print(f"preempted: checkpoint saved at step {preempted['step']}; relaunch with hydra.run.dir={run_dir} to resume "
               f"(exit code {REQUEUE_EXIT_CODE})", file=sys.stderr)
         return REQUEUE_EXIT_CODE
     return code

@@ -22,7 +22,7 @@ from launcher.metrics import RunLog
 from launcher.precision import Precision
 from launcher.preempt import StopFlag, ignore_in_data_workers
 from launcher.step import train_step
-from launcher.task import Task
+from launcher.task import Task, to_device
 
 
 @dataclass
@@ -67,15 +67,11 @@ def evaluate(run: Run) -> dict[str, float]:
     sums = torch.zeros(len(keys), dtype=torch.float64, device=run.env.device)
     for batch in eval_batches(run.task, run.env.rank, run.env.world_size, run.micro_batch_size):
         with run.precision.autocast():
-            batch_sums = run.task.eval_sums(module, _on(batch, run.env.device))
+            batch_sums = run.task.eval_sums(module, to_device(batch, run.env.device))
         sums += torch.stack([batch_sums[k].double() for k in keys])
     all_reduce_sum(sums)
     module.train()
     return run.task.eval_metrics(dict(zip(keys, sums.tolist())))
-
-
-def _on(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
-    return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
 
 
 @dataclass

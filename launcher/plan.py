@@ -15,6 +15,8 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from launcher.preempt import signal_named
+
 
 class ConfigError(ValueError):
     """A user mistake in the config or environment; printed as one line, no traceback."""
@@ -84,8 +86,7 @@ def make_plan(cfg: DictConfig) -> Plan:
                 "launcher.max_restarts"):
         if OmegaConf.select(cfg, key) < 0:
             raise ConfigError(f"{key}={OmegaConf.select(cfg, key)} must be >= 0")
-    name = str(cfg.launcher.signal).upper().removeprefix("SIG")
-    if not isinstance(getattr(signal, "SIG" + name, None), signal.Signals) or name in ("KILL", "STOP"):
+    if signal_named(cfg.launcher.signal) in (None, signal.SIGKILL, signal.SIGSTOP):
         raise ConfigError(f"launcher.signal={cfg.launcher.signal} is not a signal that can be caught; "
                           f"use USR2 (the default), USR1 or TERM")
     nnodes, nproc, device_type = _shape(cfg)

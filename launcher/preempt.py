@@ -6,16 +6,30 @@ signal to the launcher's process reaches all ranks. Exercised by: tests/test_res
 """
 from __future__ import annotations
 
+import json
 import signal
+from pathlib import Path
 from types import FrameType
 
 REQUEUE_EXIT_CODE = 75  # EX_TEMPFAIL: "preempted, checkpoint saved, requeue me"
 PREEMPTED_FILE = "preempted.json"  # written by rank 0 after the preemption checkpoint
 
 
+def signal_named(name: str) -> signal.Signals | None:
+    """`USR2`, `SIGUSR2` or `usr2` -> signal.SIGUSR2; None when there is no such signal."""
+    found = getattr(signal, "SIG" + str(name).upper().removeprefix("SIG"), None)
+    return found if isinstance(found, signal.Signals) else None
+
+
 def preemption_signals(name: str) -> list[signal.Signals]:
     """SIGTERM (what schedulers and `kill` send) plus the configured one (USR2: NCCL may own USR1)."""
-    return sorted({signal.SIGTERM, getattr(signal, "SIG" + name.upper().removeprefix("SIG"))})
+    return sorted({signal.SIGTERM, signal_named(name)})
+
+
+def read_preempted(run_dir: Path) -> dict[str, int] | None:
+    """The step and signal of this run dir's preemption checkpoint, or None."""
+    marker = run_dir / PREEMPTED_FILE
+    return json.loads(marker.read_text()) if marker.exists() else None
 
 
 class StopFlag:

@@ -19,7 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from launcher.local import run_agent, torchrun_args
 from launcher.plan import ConfigError, Plan
-from launcher.preempt import PREEMPTED_FILE, REQUEUE_EXIT_CODE
+from launcher.preempt import PREEMPTED_FILE, REQUEUE_EXIT_CODE, read_preempted, signal_named
 
 REQUEUES_FILE = "requeues.json"  # how often preemption requeued this run; bounded by launcher.max_requeues
 JOB_FILE = "slurm.json"  # the job id and log dir, for `python -m launcher.status`
@@ -49,9 +49,9 @@ def rendezvous_port(job_id: str, restart: int) -> int:
 def executor_parameters(launcher: dict[str, Any], plan: Plan, job_name: str) -> dict[str, Any]:
     """submitit.SlurmExecutor parameters: one task per node, which starts the node's workers itself."""
     extra = dict(launcher["additional_parameters"])
-    signal_name = launcher["signal"].upper().removeprefix("SIG")
-    if signal_name != "USR2":  # submitit writes --signal=USR2@delay; another signal replaces it
-        extra["signal"] = f"{signal_name}@{launcher['signal_delay_s']}"
+    preempt_signal = signal_named(launcher["signal"])
+    if preempt_signal != signal.SIGUSR2:  # submitit writes --signal=USR2@delay; another signal replaces it
+        extra["signal"] = f"{preempt_signal.name.removeprefix('SIG')}@{launcher['signal_delay_s']}"
     params = {"job_name": job_name, "nodes": plan.nnodes, "ntasks_per_node": 1,
               "cpus_per_task": launcher["cpus_per_task"] or plan.nproc_per_node, "time": launcher["timeout_min"],
               "signal_delay_s": launcher["signal_delay_s"], "array_parallelism": launcher["array_parallelism"],
@@ -87,17 +87,13 @@ class NodeTask(submitit.helpers.Checkpointable):
         if code == REQUEUE_EXIT_CODE:
             # launcher.signal is Slurm's warning before the time limit: requeue ourselves. SIGTERM comes
             # from Slurm's own requeue, a cancel, or the limit itself: checkpoint saved, Slurm decides.
-            if env.global_rank == 0 and preemption_signal(run_dir) != signal.SIGTERM:
+            if env.global_rank == 0 and read_preempted(run_dir)["signal"] != signal.SIGTERM:
                 requeue(run_dir, env.job_id, cfg.launcher.max_requeues)
             # No result file: the requeued job, not this attempt, reports the outcome.
             raise SystemExit(REQUEUE_EXIT_CODE)
         if code:
             raise RuntimeError(f"node {env.node} of job {env.job_id} failed with exit code {code}; see {run_dir}")
         return 0
-
-
-def preemption_signal(run_dir: Path) -> int:
-    return json.loads((run_dir / PREEMPTED_FILE).read_text())["signal"]
 
 
 def requeue(run_dir: Path, job_id: str, max_requeues: int) -> None:
