@@ -85,6 +85,9 @@ class NodeTask(submitit.helpers.Checkpointable):
                       f"--rdzv-id={env.job_id}-{restart}"]
         code = run_agent(torchrun_args(config_path, Plan(**cfg.plan), cfg.launcher, rendezvous), run_dir)
         if code == REQUEUE_EXIT_CODE:
+            # torchrun's handler outlives its agent and would turn the SIGTERM of Slurm's requeue into an
+            # exception, i.e. a failed result; with the default action the task just ends and is requeued.
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
             # launcher.signal is Slurm's warning before the time limit: requeue ourselves. SIGTERM comes
             # from Slurm's own requeue, a cancel, or the limit itself: checkpoint saved, Slurm decides.
             if env.global_rank == 0 and read_preempted(run_dir)["signal"] != signal.SIGTERM:
