@@ -44,6 +44,18 @@ def sacct_state(job_id: str) -> str:
     return out.stdout.split()[0] if out.stdout.split() else "UNKNOWN"
 
 
+def final_state(job_id: str, timeout_s: float = 90) -> str:
+    """The job's state once Slurm has ended it. submitit returns as soon as the task wrote its result,
+    while the task process, the epilog and accounting may still be running, so sacct can say RUNNING
+    for a few more seconds; a job that never ends still fails, on the deadline."""
+    deadline = time.time() + timeout_s
+    while (state := sacct_state(job_id)) in ("PENDING", "RUNNING", "REQUEUED", "COMPLETING", "UNKNOWN"):
+        if time.time() > deadline:
+            return state
+        time.sleep(1)
+    return state
+
+
 def weights(run_dir: Path) -> dict[str, torch.Tensor]:
     (step_dir,) = [p for p in (run_dir / "checkpoints").iterdir() if p.name == "40"]
     return load_file(step_dir / "model.safetensors")
@@ -61,7 +73,7 @@ def test_one_node_two_workers_completes(cluster, tmp_path: Path) -> None:
     out = run_cli(*TOY, "launcher=slurm", "launcher.wait=true", f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     ((job, run_dir),) = submitted(out.stdout).items()
-    assert sacct_state(job) == "COMPLETED"
+    assert final_state(job) == "COMPLETED"
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["world_size"] == 2 and summary["steps"] == 40
     assert (run_dir / "config.yaml").is_file() and (run_dir / "checkpoints" / "40" / "COMPLETE").is_file()
@@ -99,10 +111,7 @@ def test_sweep_is_one_job_array_and_a_raising_point_fails(cluster, tmp_path: Pat
     jobs = submitted(out.stdout)
     assert len(jobs) == 4 and len(set(jobs.values())) == 4
     assert len({job.split("_")[0] for job in jobs}) == 1  # one array
-    deadline = time.time() + 240
-    while any(sacct_state(job) not in ("COMPLETED", "FAILED") for job in jobs):
-        assert time.time() < deadline, {job: sacct_state(job) for job in jobs}
-        time.sleep(1)
+    assert {job: final_state(job, timeout_s=240) for job in jobs} == dict.fromkeys(jobs, "COMPLETED")
     status = subprocess.run([sys.executable, "-m", "launcher.status", str(sweep)], capture_output=True, text=True,
                             env=subprocess_env())
     rows = status.stdout.strip().splitlines()[1:]
@@ -112,7 +121,7 @@ def test_sweep_is_one_job_array_and_a_raising_point_fails(cluster, tmp_path: Pat
     out = run_cli("-m", *TOY, "launcher=slurm", "launcher.wait=true", "train.max_bad_steps=2",
                   f"hydra.sweep.dir={failing}", "data.noise=0.05,nan", cwd=tmp_path)
     assert out.returncode == 1
-    states = {run_dir.name: sacct_state(job) for job, run_dir in submitted(out.stdout).items()}
+    states = {run_dir.name: final_state(job) for job, run_dir in submitted(out.stdout).items()}
     assert states == {"0": "COMPLETED", "1": "FAILED"}
     assert "error: job" in out.stderr and str(failing / "1") in out.stderr
 
@@ -152,7 +161,7 @@ def test_preempted_or_requeued_job_resumes_in_the_same_run_dir(cluster, tmp_path
         assert json.loads((run_dir / "requeues.json").read_text()) == {"count": 1}
         assert "preempted by signal 12: checkpoint saved at step" in log
     assert re.search(r"resumed from step (\d+)", log)
-    assert sacct_state(job) == "COMPLETED"
+    assert final_state(job) == "COMPLETED"
     assert [m["step"] for m in read_metrics(run_dir) if "loss" in m] == list(range(1, 41))
     assert bitwise(weights(run_dir), weights(local_reference(tmp_path)))
 
