@@ -5,6 +5,7 @@ autocast for bf16, clipping, AdamW. Run: torchrun --standalone --nproc-per-node 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import resource
 import sys
@@ -47,6 +48,8 @@ def main() -> None:
     per_rank = args.micro * args.accum
     stamps, first_step = [], None
     for step in range(args.steps):
+        if step == 1:  # DDP rebuilds its buckets in grad-ready order after the first step: count from then on
+            syncs[0] = 0
         indices = torch.randperm(len(data.train_set), generator=order)[:per_rank * world]
         mine = indices[rank * per_rank:(rank + 1) * per_rank]
         for k in range(args.accum):
@@ -63,8 +66,10 @@ def main() -> None:
             loss.item()
             stamps.append(time.time())
     if rank == 0:
-        print(json.dumps({"stamps": stamps, "first_step_unix_time": first_step, "syncs_per_step": syncs[0] / args.steps,
+        print(json.dumps({"stamps": stamps, "first_step_unix_time": first_step, "syncs_per_step": syncs[0] / (args.steps - 1),
                           "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}), flush=True)
+    del model, optimizer  # DDP must be collected while Python is alive (see launcher.dist.shutdown)
+    gc.collect()
     dist.destroy_process_group()
 
 

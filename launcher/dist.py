@@ -5,6 +5,7 @@ Slurm and the tests all start it the same way. Exercised by: `python -m launcher
 """
 from __future__ import annotations
 
+import gc
 import os
 from dataclasses import dataclass
 from datetime import timedelta
@@ -55,6 +56,17 @@ def _attempt_store(rank: int, world_size: int, timeout: timedelta) -> dist.Store
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
                           is_master=not on_agent and rank == 0, timeout=timeout)
     return dist.PrefixStore(f"launcher/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+
+
+def shutdown() -> None:
+    """Leave the process group, once the caller has dropped its DDP model.
+
+    A DDP reducer still alive when the interpreter exits sometimes aborts a process that finished
+    cleanly ("terminate called without an active exception"; torch 2.13 + gloo, 5 of 75 exits of a
+    minimal DDP script here, 0 of 90 when the model was collected first).
+    """
+    gc.collect()  # DDP's hooks form reference cycles: collect them while Python is fully alive
+    dist.destroy_process_group()
 
 
 def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:

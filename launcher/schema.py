@@ -101,7 +101,9 @@ class LauncherConfig:
 class DistConfig:
     backend: str = "auto"  # auto: nccl with CUDA, else gloo
     timeout_s: float = 600.0  # a collective that waits longer fails instead of hanging
-    bucket_cap_mb: int = 25
+    # null: torch's default, 25 MB buckets after a 1 MB first one, so the all-reduce of the last layers'
+    # gradients starts while backward goes on (an explicit 25 makes the first bucket 25 MB too)
+    bucket_cap_mb: Optional[int] = None
     gradient_as_bucket_view: bool = True
     static_graph: bool = False
     find_unused_parameters: bool = False

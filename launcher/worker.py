@@ -114,26 +114,32 @@ def main(config_path: str) -> None:
     stop = StopFlag(preemption_signals(cfg.launcher.signal))  # first: a signal during start-up is kept
     env = launcher_dist.init(cfg.dist.backend, cfg.dist.timeout_s)
     try:
-        if env.world_size != cfg.plan.world_size:
-            raise RuntimeError(f"WORLD_SIZE={env.world_size} but the plan in {path} says "
-                               f"{cfg.plan.world_size}; relaunch with python -m launcher")
-        run = build(cfg, path.parent, env)
-        hashes = launcher_dist.all_gather_objects(run.config_hash)
-        if len(set(hashes)) != 1:  # every rank must train the same config (hydra#2070)
-            raise RuntimeError(f"ranks read different configs: {hashes}")
-        state = None
-        if cfg.resume.mode != "never":
-            state = checkpoint.load_latest(path.parent, run.module, run.log.warn)
-        progress = restore(run, state, cfg.train.seed, cfg.resume.allow_config_change)
-        run.log.start_at(progress.step, run.max_steps)
-        run.log.info(f"run dir {path.parent} | world size {env.world_size} | grad accum "
-                     f"{run.grad_accum_steps} | precision {run.precision.name} | config {hashes[0]}")
-        summary = train(run, progress, stop)
-        run.log.close()
+        summary = build_and_train(cfg, path, env, stop)  # the run and its DDP model end with this call
     finally:
-        dist.destroy_process_group()
+        launcher_dist.shutdown()
     if summary["preempted"]:
         sys.exit(REQUEUE_EXIT_CODE)
+
+
+def build_and_train(cfg: DictConfig, path: Path, env: launcher_dist.DistEnv, stop: StopFlag) -> dict[str, Any]:
+    """Build the run, restore it from the latest checkpoint (unless resume=never), train; the summary."""
+    if env.world_size != cfg.plan.world_size:
+        raise RuntimeError(f"WORLD_SIZE={env.world_size} but the plan in {path} says "
+                           f"{cfg.plan.world_size}; relaunch with python -m launcher")
+    run = build(cfg, path.parent, env)
+    hashes = launcher_dist.all_gather_objects(run.config_hash)
+    if len(set(hashes)) != 1:  # every rank must train the same config (hydra#2070)
+        raise RuntimeError(f"ranks read different configs: {hashes}")
+    state = None
+    if cfg.resume.mode != "never":
+        state = checkpoint.load_latest(path.parent, run.module, run.log.warn)
+    progress = restore(run, state, cfg.train.seed, cfg.resume.allow_config_change)
+    run.log.start_at(progress.step, run.max_steps)
+    run.log.info(f"run dir {path.parent} | world size {env.world_size} | grad accum "
+                 f"{run.grad_accum_steps} | precision {run.precision.name} | config {hashes[0]}")
+    summary = train(run, progress, stop)
+    run.log.close()
+    return summary
 
 
 if __name__ == "__main__":

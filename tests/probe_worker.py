@@ -12,8 +12,7 @@ import sys
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
 from launcher import dist as launcher_dist
@@ -37,26 +36,39 @@ def grads_of(model: torch.nn.Module) -> list[torch.Tensor]:
 def main(config_path: str, mode: str, inf_step: int = -1) -> None:
     cfg = OmegaConf.load(config_path)
     env = launcher_dist.init(cfg.dist.backend, cfg.dist.timeout_s)
+    out = observe(cfg, env, config_path, mode, inf_step)  # the run and its DDP model end with this call
+    torch.save(out, Path(config_path).with_name(f"probe_rank{env.rank}.pt"))
+    launcher_dist.shutdown()
+
+
+def observe(cfg: DictConfig, env: launcher_dist.DistEnv, config_path: str, mode: str, inf_step: int) -> dict:
     run = build(cfg, Path(config_path).parent, env)
     out: dict = {"rank": env.rank, "init_params": params_hash(run.model.module),
                  "random_draw": torch.rand(1).item(), "steps": []}
     if mode == "eval":
         out["eval"] = evaluate(run)
-        finish(out, config_path, env.rank)
-        return
-    if mode == "knobs":  # what DDP, the optimizer and torch report after one real step
+        return out
+    if mode == "knobs":  # what DDP, the optimizer and torch report after two real steps
+        calls, comm_hook = {"n": 0}, run.model._get_ddp_logging_data().get("comm_hook")  # as the worker built it
+        if not cfg.dist.comm_hook:  # count the all-reduces, one per bucket (a configured hook stays as it is)
+            def counting_hook(state, bucket):  # unannotated: DDP rejects the string annotations of __future__
+                state["n"] += 1
+                return allreduce_hook(None, bucket)
+            run.model.register_comm_hook(calls, counting_hook)
         windows = StepWindows(run.task, run.data_plan, env.rank, env.world_size, run.grad_accum_steps)
-        train_step(run.model, run.task, windows[0], run.optimizer, run.scheduler, run.scaler, run.precision,
-                   run.max_grad_norm, env.device)
+        for step in range(2):  # DDP rebuilds its buckets in grad-ready order after the first step
+            calls["n"] = 0
+            train_step(run.model, run.task, windows[step], run.optimizer, run.scheduler, run.scaler, run.precision,
+                       run.max_grad_norm, env.device)
         ddp = run.model._get_ddp_logging_data()
-        out["knobs"] = {"bucket_cap_bytes": ddp["bucket_cap_bytes"], "comm_hook": ddp.get("comm_hook"),
+        out["knobs"] = {"bucket_cap_bytes": ddp["bucket_cap_bytes"], "comm_hook": comm_hook,
+                        "buckets": calls["n"],  # all-reduces in the second step
                         "gradient_as_bucket_view": ddp["gradient_as_bucket_view"],
                         "static_graph": int(run.model.static_graph),
                         "find_unused_parameters": int(run.model.find_unused_parameters),
                         "fused": run.optimizer.defaults.get("fused"), "tf32": torch.backends.cuda.matmul.allow_tf32,
                         "compiled": type(run.model.module).__name__}
-        finish(out, config_path, env.rank)
-        return
+        return out
 
     hook_state = {"calls": 0, "micro_at_call": []}
     micro = {"index": -1, "step": -1, "snapshots": [], "items": []}
@@ -101,12 +113,7 @@ def main(config_path: str, mode: str, inf_step: int = -1) -> None:
             "params": params_hash(run.model.module), "scale_before": scale_before,
             "scale_after": run.scaler.get_scale(), "sched_before": sched_before,
             "sched_after": run.scheduler.last_epoch, "lr": run.scheduler.get_last_lr()[0]})
-    finish(out, config_path, env.rank)
-
-
-def finish(out: dict, config_path: str, rank: int) -> None:
-    torch.save(out, Path(config_path).with_name(f"probe_rank{rank}.pt"))
-    dist.destroy_process_group()
+    return out
 
 
 if __name__ == "__main__":
