@@ -46,6 +46,11 @@ def rendezvous_port(job_id: str, restart: int) -> int:
     return 20000 + (digits * 31 + restart) % 20000
 
 
+def c10d_rendezvous(endpoint: str, rdzv_id: str) -> list[str]:
+    """torchrun's rendezvous arguments for a multi-node job: every node's agent meets at `endpoint`."""
+    return ["--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}", f"--rdzv-id={rdzv_id}"]
+
+
 def executor_parameters(launcher: dict[str, Any], plan: Plan, job_name: str) -> dict[str, Any]:
     """submitit.SlurmExecutor parameters: one task per node, which starts the node's workers itself."""
     extra = dict(launcher["additional_parameters"])
@@ -81,8 +86,7 @@ class NodeTask(submitit.helpers.Checkpointable):
             (run_dir / PREEMPTED_FILE).unlink(missing_ok=True)  # from the attempt before a requeue
         # The first node's address, not its name: names need not resolve (emulated nodes, some clusters).
         host = os.environ.get("SLURM_LAUNCH_NODE_IPADDR") or env.hostnames[0]
-        rendezvous = ["--rdzv-backend=c10d", f"--rdzv-endpoint={host}:{rendezvous_port(env.job_id, restart)}",
-                      f"--rdzv-id={env.job_id}-{restart}"]
+        rendezvous = c10d_rendezvous(f"{host}:{rendezvous_port(env.job_id, restart)}", f"{env.job_id}-{restart}")
         code = run_agent(torchrun_args(config_path, Plan(**cfg.plan), cfg.launcher, rendezvous), run_dir)
         if code == REQUEUE_EXIT_CODE:
             # torchrun's handler outlives its agent and would turn the SIGTERM of Slurm's requeue into an
@@ -170,8 +174,7 @@ def print_plan(runs: list[Submission], params: dict[str, Any], folder: Path) -> 
     print("executor parameters: " + json.dumps(params, sort_keys=True))
     for run in runs:
         cfg = OmegaConf.load(run.config_path)
-        rendezvous = ["--rdzv-backend=c10d", "--rdzv-endpoint=<first node address>:<port from the job id>",
-                      "--rdzv-id=<job id>"]
+        rendezvous = c10d_rendezvous("<first node address>:<port from the job id>", "<job id>-<requeue count>")
         args = torchrun_args(run.config_path, run.plan, cfg.launcher, rendezvous)
         print(f"run dir {run.run_dir}: {asdict(run.plan)}")
         print(f"  on each of {run.plan.nnodes} node(s): python -m torch.distributed.run {' '.join(args)}")

@@ -17,6 +17,7 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import REPO, read_metrics, run_cli, subprocess_env
+from launcher.status import slurm_state
 
 pytestmark = pytest.mark.slow
 TOY = ("+exp=toy", "train.max_steps=40", "train.log_every=1", "train.eval_every=0", "train.global_batch_size=16",
@@ -39,17 +40,12 @@ def submitted(stdout: str) -> dict[str, Path]:
     return {job: Path(run_dir) for job, run_dir in SUBMITTED.findall(stdout)}
 
 
-def sacct_state(job_id: str) -> str:
-    out = subprocess.run(["sacct", "-n", "-X", "-P", "-o", "State", "-j", job_id], capture_output=True, text=True)
-    return out.stdout.split()[0] if out.stdout.split() else "UNKNOWN"
-
-
 def final_state(job_id: str, timeout_s: float = 90) -> str:
     """The job's state once Slurm has ended it. submitit returns as soon as the task wrote its result,
     while the task process, the epilog and accounting may still be running, so sacct can say RUNNING
     for a few more seconds; a job that never ends still fails, on the deadline."""
     deadline = time.time() + timeout_s
-    while (state := sacct_state(job_id)) in ("PENDING", "RUNNING", "REQUEUED", "COMPLETING", "UNKNOWN"):
+    while (state := slurm_state(job_id)) in ("PENDING", "CONFIGURING", "RUNNING", "REQUEUED", "COMPLETING", "UNKNOWN"):
         if time.time() > deadline:
             return state
         time.sleep(1)
