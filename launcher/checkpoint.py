@@ -33,22 +33,24 @@ def complete_steps(run_dir: Path) -> list[int]:
     return sorted(int(p.name) for p in root.iterdir() if p.name.isdigit() and (p / MARKER).is_file())
 
 
-def rng_state() -> dict[str, Any]:
+def rng_state(device: torch.device) -> dict[str, Any]:
+    """This rank's random state: CPU generators, and the CUDA generator of its own GPU only (a rank may
+    see other GPUs, and after a change of node shape the same rank index sits on another one)."""
     np_name, np_keys, np_pos, np_gauss, np_cached = np.random.get_state()
     state = {"torch": torch.get_rng_state(), "python": random.getstate(),
              "numpy": [np_name, np_keys.tolist(), np_pos, np_gauss, np_cached]}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
     return state
 
 
-def set_rng_state(state: dict[str, Any]) -> None:
+def set_rng_state(state: dict[str, Any], device: torch.device) -> None:
     torch.set_rng_state(state["torch"])
     random.setstate(state["python"])
     name, keys, pos, gauss, cached = state["numpy"]
     np.random.set_state((name, np.array(keys, dtype=np.uint32), pos, gauss, cached))
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+    if device.type == "cuda" and "cuda" in state:  # a CPU run's checkpoint has none: CUDA's stays seeded
+        torch.cuda.set_rng_state(state["cuda"], device)
 
 
 def _sha256(path: Path) -> str:
@@ -68,9 +70,9 @@ def _fsync(path: Path) -> None:
 
 
 def save(run_dir: Path, step: int, model: torch.nn.Module, train_state: dict[str, Any], is_main: bool,
-         keep: int) -> Path:
+         keep: int, device: torch.device) -> Path:
     """Every rank calls this (it gathers every rank's RNG state); rank 0 writes; all wait for the files."""
-    rng_states = all_gather_objects(rng_state())
+    rng_states = all_gather_objects(rng_state(device))
     root = run_dir / "checkpoints"
     final = root / str(step)
     if is_main:
@@ -101,7 +103,11 @@ def _verify(step_dir: Path) -> None:
 
 
 def load_latest(run_dir: Path, model: torch.nn.Module, warn: Callable[[str], None]) -> dict[str, Any] | None:
-    """Load the newest readable checkpoint into model (all ranks agree on rank 0's choice)."""
+    """Load the newest readable checkpoint into model (all ranks agree on rank 0's choice).
+
+    Weights are read to the CPU and copied into the parameters wherever they live; the train state stays
+    on the CPU (optimizer.load_state_dict moves its tensors to the parameters' device, and RNG states must
+    be CPU byte tensors), so a checkpoint written on GPUs loads on a CPU plan and the other way round."""
     choice = [None]
     if dist.get_rank() == 0:
         for step in reversed(complete_steps(run_dir)):

@@ -16,6 +16,7 @@ from launcher.plan import ConfigError
 PATH_KEYS = ("path", "eval_path")  # data files a job reads
 MODEL_KEYS = ("pretrained", "tokenizer")  # HF hub ids or local dirs
 COLUMN_KEYS = ("text_fields", "label_field", "text_field")  # columns a tabular file must hold
+LENGTH_KEY = "max_length"  # tokens per sample a text job keeps (data.max_length)
 
 
 def _offline() -> bool:
@@ -56,6 +57,7 @@ def check_job_inputs(config: dict[str, Any]) -> None:
                 raise ConfigError(f"{group}.{key}={value} is a hub id but the hub is off (HF_HUB_OFFLINE=1); it needs "
                                   f"the hub, or a local dir written by save_pretrained")
     data = config.get("data") or {}
+    _check_max_length(data.get(LENGTH_KEY), (config.get("model") or {}).get("pretrained"))
     wanted = [c for key in COLUMN_KEYS for c in ([data[key]] if isinstance(data.get(key), str) else data.get(key) or [])]
     for key in PATH_KEYS:
         path = Path(data[key]) if data.get(key) else None
@@ -65,3 +67,18 @@ def check_job_inputs(config: dict[str, Any]) -> None:
             raise ConfigError(f"data.{key}={path} has no column(s) {missing} (its columns: {columns}); "
                               f"set data.text_fields / data.label_field to its columns")
 
+
+
+def _check_max_length(max_length: Any, pretrained: Any) -> None:
+    """Truncation length: > 0 (0 would silently train untruncated), and within the model's positions."""
+    if max_length is None:
+        return
+    if not isinstance(max_length, int) or max_length <= 0:
+        raise ConfigError(f"data.max_length={max_length} must be > 0 (tokens kept per sample)")
+    model_config = Path(pretrained) / "config.json" if isinstance(pretrained, str) else None
+    if model_config is None or not model_config.is_file():  # a hub id: checked when the model loads
+        return
+    positions = json.loads(model_config.read_text()).get("max_position_embeddings")
+    if positions and max_length > positions:
+        raise ConfigError(f"data.max_length={max_length} is more than the {positions} positions of "
+                          f"model.pretrained={pretrained}; set data.max_length<={positions}")

@@ -20,7 +20,7 @@ from omegaconf import DictConfig
 
 from launcher.checks import check_job_inputs
 from launcher.errors import release_stderr
-from launcher.local import run_local
+from launcher.local import run_local, torchrun_args
 from launcher.plan import ConfigError, Plan, make_plan, resolve, write_config
 from launcher.resume import check_resume
 from launcher.slurm import queue
@@ -74,6 +74,10 @@ def main(cfg: DictConfig) -> None:
     resuming = "" if resume_step is None else f" | resuming (latest checkpoint: step {resume_step})"
     print(f"run dir {run_dir} | {plan.world_size} worker(s) on {plan.device_type} | "
           f"grad accum {plan.grad_accum_steps}{resuming}", flush=True)
+    if cfg.launcher.dry_run:  # the config is written and checked; show what would run, start nothing
+        args = torchrun_args(config_path, plan, cfg.launcher, ["--standalone"])
+        print(f"dry run: would run python -m torch.distributed.run {' '.join(args)}", flush=True)
+        return
     code = run_local(config_path, plan, cfg.launcher)
     if code:
         sys.exit(code)

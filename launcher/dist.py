@@ -27,11 +27,19 @@ class DistEnv:
         return self.rank == 0
 
 
-def init(backend: str, timeout_s: float) -> DistEnv:
-    """Join the process group named by the env:// variables (torchrun sets them)."""
+def init(device_type: str, backend: str, timeout_s: float) -> DistEnv:
+    """Join the process group named by the env:// variables (torchrun sets them), on the plan's device.
+
+    The device comes from the plan (`launcher.device`), never from what this process happens to see: a
+    CPU plan stays on the CPU on a GPU host, and a CUDA plan uses the GPU of its local rank.
+    """
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    if torch.cuda.is_available():
+    if device_type == "cuda":
+        if local_rank >= torch.cuda.device_count():
+            raise RuntimeError(f"local rank {local_rank} has no GPU: this process sees "
+                               f"{torch.cuda.device_count()} (CUDA_VISIBLE_DEVICES="
+                               f"{os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')})")
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
     else:

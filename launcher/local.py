@@ -6,6 +6,7 @@ on 29500. The agent relays SIGTERM and the preemption signal to every worker and
 """
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -14,28 +15,34 @@ from torch.distributed import run as torchrun
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
+from launcher.compat import fallback_notes, relay_signals, torchrun_shutdown_args, torchrun_signal_args
 from launcher.plan import Plan
 from launcher.preempt import PREEMPTED_FILE, REQUEUE_EXIT_CODE, preemption_signals, read_preempted
 
 
 def torchrun_args(config_path: Path, plan: Plan, launcher: DictConfig, rendezvous: list[str]) -> list[str]:
     """torchrun's arguments for one node: `rendezvous` is --standalone here, c10d at the first node on Slurm."""
-    relayed = {"SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", *(s.name for s in preemption_signals(launcher.signal))}
     return [*rendezvous, f"--nnodes={plan.nnodes}", f"--nproc-per-node={plan.nproc_per_node}",
-            f"--max-restarts={launcher.max_restarts}", f"--signals-to-handle={','.join(sorted(relayed))}",
-            f"--shutdown-timeout={launcher.shutdown_timeout_s}", "--module", "launcher.worker", str(config_path)]
+            f"--max-restarts={launcher.max_restarts}", *torchrun_signal_args(preemption_signals(launcher.signal)),
+            *torchrun_shutdown_args(launcher.shutdown_timeout_s), "--module", "launcher.worker", str(config_path)]
 
 
 def run_local(config_path: Path, plan: Plan, launcher: DictConfig) -> int:
     """All workers on this machine; returns the exit code: 0, REQUEUE_EXIT_CODE, or the failed rank's."""
     (config_path.parent / PREEMPTED_FILE).unlink(missing_ok=True)  # an earlier launch's marker means nothing
-    return run_agent(torchrun_args(config_path, plan, launcher, ["--standalone"]), config_path.parent)
+    return run_agent(config_path, plan, launcher, ["--standalone"])
 
 
-def run_agent(args: list[str], run_dir: Path) -> int:
-    """Run torchrun's agent in this process with `args` and wait; returns the node's exit code."""
+def run_agent(config_path: Path, plan: Plan, launcher: DictConfig, rendezvous: list[str]) -> int:
+    """Run torchrun's agent for this node's workers in this process and wait; returns the node's exit code."""
+    run_dir, signals = config_path.parent, preemption_signals(launcher.signal)
+    for note in fallback_notes(signals, launcher.shutdown_timeout_s):
+        print(note, file=sys.stderr, flush=True)
+    if plan.device_type == "cpu":  # the workers inherit it: a CPU plan's workers never see (or init) a GPU
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
     try:
-        torchrun.run(torchrun.parse_args(args))
+        with relay_signals(signals):
+            torchrun.run(torchrun.parse_args(torchrun_args(config_path, plan, launcher, rendezvous)))
     except SignalException as err:  # the agent relayed it and waited for the workers' checkpoint
         code = 128 + int(err.sigval)
     except ChildFailedError as err:

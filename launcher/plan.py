@@ -50,29 +50,42 @@ def _require_positive(cfg: DictConfig, *keys: str) -> None:
 
 
 def _shape(cfg: DictConfig) -> tuple[int, int, str]:
-    """(nodes, workers per node, device type) for this launcher."""
+    """(nodes, workers per node, device type) for this launcher; the device is decided here, once."""
     launcher = cfg.launcher
+    device = getattr(launcher.device, "value", launcher.device)  # an Enum when typed
     if launcher.name == "slurm":  # the submit host's GPUs say nothing about the cluster's
         _require_positive(cfg, "launcher.nodes", "launcher.timeout_min", "launcher.array_parallelism",
                           "launcher.cpus_per_task", "launcher.mem_gb")
         for key in ("launcher.gpus_per_node", "launcher.max_requeues", "launcher.signal_delay_s"):
             if OmegaConf.select(cfg, key) < 0:
                 raise ConfigError(f"{key}={OmegaConf.select(cfg, key)} must be >= 0")
-        nproc = launcher.gpus_per_node or launcher.nproc_per_node or 2
-        return launcher.nodes, nproc, "cuda" if launcher.gpus_per_node else "cpu"
+        gpus = launcher.gpus_per_node
+        if device == "cuda" and not gpus:
+            raise ConfigError("launcher.device=cuda but launcher.gpus_per_node=0 asks Slurm for no GPU; "
+                              "set launcher.gpus_per_node to the GPUs per node")
+        if device == "cpu" and gpus:
+            raise ConfigError(f"launcher.device=cpu but launcher.gpus_per_node={gpus} asks Slurm for GPUs; "
+                              f"set launcher.gpus_per_node=0 for CPU workers")
+        nproc = gpus or launcher.nproc_per_node or 2
+        return launcher.nodes, nproc, "cuda" if gpus else "cpu"
     if launcher.name != "local":
         raise ConfigError(f"launcher.name={launcher.name} is not one of local, slurm; pick launcher=local or "
                           f"launcher=slurm")
     gpus = torch.cuda.device_count()
-    nproc = launcher.nproc_per_node or (gpus if gpus else 2)
-    if gpus and nproc > gpus:
+    if device == "cuda" and not gpus:
+        raise ConfigError("launcher.device=cuda but torch sees no GPU on this node (torch.cuda.device_count() "
+                          "is 0); use launcher.device=auto or launcher.device=cpu")
+    device = device if device != "auto" else ("cuda" if gpus else "cpu")
+    if device == "cpu":  # the GPUs, if any, are hidden from these workers
+        return 1, launcher.nproc_per_node or 2, "cpu"
+    nproc = launcher.nproc_per_node or gpus
+    if nproc > gpus:
         raise ConfigError(f"launcher.nproc_per_node={nproc} but this node has {gpus} GPU(s); "
-                          f"set launcher.nproc_per_node<={gpus}")
-    if gpus and torch.cuda.is_available():
-        precision = getattr(cfg.precision.name, "value", cfg.precision.name)  # Enum when typed
-        if precision == "bf16" and not torch.cuda.is_bf16_supported():
-            raise ConfigError("precision=bf16 needs an Ampere or newer GPU; use precision=fp16 here")
-    return 1, nproc, "cuda" if gpus else "cpu"
+                          f"set launcher.nproc_per_node<={gpus}, or launcher.device=cpu for CPU workers")
+    precision = getattr(cfg.precision.name, "value", cfg.precision.name)  # Enum when typed
+    if precision == "bf16" and not torch.cuda.is_bf16_supported():
+        raise ConfigError("precision=bf16 needs an Ampere or newer GPU; use precision=fp16 here")
+    return 1, nproc, "cuda"
 
 
 def make_plan(cfg: DictConfig) -> Plan:

@@ -28,6 +28,12 @@ class ResumeMode(str, Enum):
     must = "must"  # fail fast when there is no checkpoint
 
 
+class DeviceName(str, Enum):
+    auto = "auto"  # CUDA when this node (or launcher.gpus_per_node on Slurm) has GPUs, else CPU
+    cpu = "cpu"  # CPU workers on gloo; GPUs on the node are hidden from them
+    cuda = "cuda"  # one GPU per worker, NCCL
+
+
 class ScheduleName(str, Enum):
     constant = "constant"
     linear = "linear"
@@ -72,6 +78,7 @@ class SchedulerConfig:
 @dataclass
 class LauncherConfig:
     name: str = "local"  # local (torchrun on this machine) or slurm (submitit)
+    device: DeviceName = DeviceName.auto  # decided once in the parent; every worker uses the plan's device
     nproc_per_node: Optional[int] = None  # null: one per GPU, or 2 CPU workers when there is no GPU
     max_restarts: int = 0  # torchrun's elastic restarts of the whole worker group
     signal: str = "USR2"  # preemption signal besides SIGTERM (NCCL may own USR1)
@@ -94,7 +101,7 @@ class LauncherConfig:
     array_parallelism: int = 16  # at most this many tasks of a -m sweep's job array run at once
     max_requeues: int = 3  # preemptions that requeue the job before it ends as failed
     wait: bool = False  # block until every job ends; exit non-zero if any failed
-    dry_run: bool = False  # print what would be submitted, submit nothing
+    dry_run: bool = False  # check and resolve the config, print what would run or be submitted, start nothing
 
 
 @dataclass

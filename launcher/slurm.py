@@ -87,7 +87,7 @@ class NodeTask(submitit.helpers.Checkpointable):
         # The first node's address, not its name: names need not resolve (emulated nodes, some clusters).
         host = os.environ.get("SLURM_LAUNCH_NODE_IPADDR") or env.hostnames[0]
         rendezvous = c10d_rendezvous(f"{host}:{rendezvous_port(env.job_id, restart)}", f"{env.job_id}-{restart}")
-        code = run_agent(torchrun_args(config_path, Plan(**cfg.plan), cfg.launcher, rendezvous), run_dir)
+        code = run_agent(config_path, Plan(**cfg.plan), cfg.launcher, rendezvous)
         if code == REQUEUE_EXIT_CODE:
             # torchrun's handler outlives its agent and would turn the SIGTERM of Slurm's requeue into an
             # exception, i.e. a failed result; with the default action the task just ends and is requeued.

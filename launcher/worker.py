@@ -20,8 +20,10 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from launcher import checkpoint
 from launcher import dist as launcher_dist
+from launcher.compat import DDP_NO_FORWARD_BUFFER_SYNC
 from launcher.data import DataPlan
-from launcher.loop import Progress, Run, train
+from launcher.ledger import Progress
+from launcher.loop import Run, train
 from launcher.metrics import RunLog
 from launcher.plan import grad_accum_steps
 from launcher.precision import Precision
@@ -57,14 +59,16 @@ def build(cfg: DictConfig, run_dir: Path, env: launcher_dist.DistEnv) -> Run:
     ddp = DDP(trained, device_ids=[env.local_rank] if env.device.type == "cuda" else None,
               bucket_cap_mb=cfg.dist.bucket_cap_mb, gradient_as_bucket_view=cfg.dist.gradient_as_bucket_view,
               static_graph=cfg.dist.static_graph, find_unused_parameters=cfg.dist.find_unused_parameters,
-              # Buffers are synced at init only: ranks may run different numbers of micro-batches in a
+              # No buffer broadcast per forward: ranks may run different numbers of micro-batches in a
               # short last window, and a per-forward broadcast would pair up mismatched collectives.
-              forward_sync_buffers=False)
+              **DDP_NO_FORWARD_BUFFER_SYNC)
     if cfg.dist.comm_hook:  # compress gradients to 16 bits on the wire (and back) before averaging
         ddp.register_comm_hook(dist.group.WORLD, COMM_HOOKS[cfg.dist.comm_hook])
     seed_all(train_cfg.seed * 1_000_003 + env.rank)  # dropout/augmentation noise differs per rank
     fused = {"fused": True} if env.device.type == "cuda" and _takes_fused(cfg.optimizer) else {}
-    optimizer = instantiate(cfg.optimizer, params=ddp.parameters(), **fused)
+    # _convert_: plain lists (betas) in the optimizer's state, so checkpoints load with weights_only=True
+    # on every torch (2.6's unpickler refuses omegaconf's ListConfig)
+    optimizer = instantiate(cfg.optimizer, params=ddp.parameters(), _convert_="all", **fused)
     scheduler = build_scheduler(optimizer, cfg.scheduler.name, cfg.scheduler.warmup_steps, train_cfg.max_steps,
                                 cfg.scheduler.min_lr_ratio)
     precision = Precision(cfg.precision.name, env.device.type)
@@ -100,7 +104,7 @@ def restore(run: Run, state: dict[str, Any] | None, seed: int, allow_config_chan
         run.scaler.load_state_dict(state["scaler"])
     progress = Progress(**state["progress"])
     if len(state["rng"]) == run.env.world_size:  # the same ranks: continue each rank's random stream
-        checkpoint.set_rng_state(state["rng"][run.env.rank])
+        checkpoint.set_rng_state(state["rng"][run.env.rank], run.env.device)
     else:  # another world size: fresh, still deterministic per-rank streams
         seed_all((seed * 1_000_003 + run.env.rank) * 1_000_003 + progress.step)
     run.log.info(f"resumed from step {progress.step} ({run.run_dir / 'checkpoints' / str(progress.step)})")
@@ -112,7 +116,7 @@ def main(config_path: str) -> None:
     path = Path(config_path).resolve()
     cfg = OmegaConf.load(path)
     stop = StopFlag(preemption_signals(cfg.launcher.signal))  # first: a signal during start-up is kept
-    env = launcher_dist.init(cfg.dist.backend, cfg.dist.timeout_s)
+    env = launcher_dist.init(cfg.plan.device_type, cfg.dist.backend, cfg.dist.timeout_s)
     try:
         summary = build_and_train(cfg, path, env, stop)  # the run and its DDP model end with this call
     finally:

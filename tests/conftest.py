@@ -18,7 +18,19 @@ from launcher.schema import register
 os.environ["HF_HUB_OFFLINE"] = "1"
 REPO = Path(__file__).resolve().parent.parent
 CONF = REPO / "conf"
+# The multi-rank CPU tests pin the CPU plan, so they pass alike on a machine with 0, 1 or many GPUs (the
+# GPUs are then hidden from their workers); a test that wants the GPU says launcher.device=cuda.
+CPU_PLAN = "launcher.device=cpu"
 register()
+
+
+def on_the_cpu_plan(args: tuple[str, ...] | list[str]) -> list[str]:
+    """The launcher's arguments with launcher.device=cpu added, unless they name launcher.device."""
+    args = list(args)
+    if any(arg.startswith("launcher.device=") for arg in args):
+        return args
+    flags = 1 if args[:1] == ["-m"] else 0  # before Hydra's own options: `--cfg job` takes what follows
+    return [*args[:flags], CPU_PLAN, *args[flags:]]
 
 
 def subprocess_env(**extra: str) -> dict[str, str]:
@@ -30,7 +42,7 @@ def subprocess_env(**extra: str) -> dict[str, str]:
 
 def compose_config(*overrides: str) -> DictConfig:
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        return compose(config_name="config", overrides=list(overrides))
+        return compose(config_name="config", overrides=on_the_cpu_plan(overrides))
 
 
 def write_run_config(run_dir: Path, *overrides: str) -> Path:
@@ -41,7 +53,7 @@ def write_run_config(run_dir: Path, *overrides: str) -> Path:
 
 def run_cli(*overrides: str, cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess:
     """`python -m launcher <overrides>` in a real subprocess."""
-    return subprocess.run([sys.executable, "-m", "launcher", *overrides], cwd=cwd, env=subprocess_env(),
+    return subprocess.run([sys.executable, "-m", "launcher", *on_the_cpu_plan(overrides)], cwd=cwd, env=subprocess_env(),
                           capture_output=True, text=True, timeout=timeout)
 
 

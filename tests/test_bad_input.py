@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 from conftest import run_cli
 
@@ -46,6 +47,14 @@ CASES = {  # name: (overrides, or a function of tmp_path giving them; what the l
     "model dir missing": (["+exp=bert", "model.pretrained=/no/such/model"],
                           "model.pretrained=/no/such/model is not a directory"),
     "resume=must without checkpoint": (["+exp=toy", "resume=must"], "resume=must but"),
+    "unknown device": (["+exp=toy", "launcher.device=tpu"], "launcher.device"),
+    "cuda plan without slurm gpus": (["+exp=toy", "launcher=slurm", "launcher.device=cuda"],
+                                     "launcher.device=cuda but launcher.gpus_per_node=0"),
+    "cpu plan asking slurm for gpus": (["+exp=toy", "launcher=slurm", "launcher.device=cpu", "launcher.gpus_per_node=8"],
+                                       "launcher.device=cpu but launcher.gpus_per_node=8"),
+    "max_length zero": (["+exp=bert", "data.max_length=0"], "data.max_length=0 must be > 0"),
+    "max_length beyond the model": (["+exp=bert", "data.max_length=1000"],
+                                    "data.max_length=1000 is more than the 512 positions of model.pretrained="),
     "slurm zero nodes": (["+exp=toy", "launcher=slurm", "launcher.nodes=0"], "launcher.nodes=0 must be > 0"),
     "slurm negative timeout": (["+exp=toy", "launcher=slurm", "launcher.timeout_min=-5"],
                                "launcher.timeout_min=-5 must be > 0"),
@@ -70,3 +79,12 @@ def test_bad_input_is_one_line_naming_the_key(name: str, tmp_path: Path) -> None
     assert lines[0].startswith("error: ") and expected in lines[0], lines[0]
     assert "Traceback" not in out.stdout + out.stderr
     assert not fresh_run_dir.exists()  # nothing half-made is left behind
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU: launcher.device=cuda is valid here")
+def test_cuda_plan_without_a_gpu_is_one_line(tmp_path: Path) -> None:
+    out = run_cli("+exp=toy", "launcher.device=cuda", f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)
+    assert out.returncode == 2 and out.stderr.strip().splitlines() == [
+        "error: launcher.device=cuda but torch sees no GPU on this node (torch.cuda.device_count() is 0); use "
+        "launcher.device=auto or launcher.device=cpu"]
+    assert not (tmp_path / "run").exists()

@@ -10,7 +10,7 @@ import pytest
 from omegaconf import OmegaConf
 from safetensors.torch import load_file
 
-from conftest import read_metrics, run_cli, subprocess_env
+from conftest import on_the_cpu_plan, read_metrics, run_cli, subprocess_env
 from launcher.resume import config_hash
 
 pytestmark = pytest.mark.slow
@@ -75,7 +75,8 @@ def test_fp16_and_bf16_runs_log_their_precision(tmp_path: Path) -> None:
 
 def test_two_launches_at_once_get_two_run_dirs(tmp_path: Path) -> None:
     """hydra#2925 (same-second dirs) and a fixed rendezvous port (EADDRINUSE) cannot bite."""
-    cmd = [sys.executable, "-m", "launcher", *TOY, "launcher.nproc_per_node=2", "train.micro_batch_size=4"]
+    cmd = [sys.executable, "-m", "launcher", *on_the_cpu_plan([*TOY, "launcher.nproc_per_node=2",
+                                                                "train.micro_batch_size=4"])]
     procs = [subprocess.Popen(cmd, cwd=tmp_path, env=subprocess_env(), stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True) for _ in range(2)]
     for proc in procs:

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from conftest import read_metrics, run_cli, subprocess_env
+from conftest import on_the_cpu_plan, read_metrics, run_cli, subprocess_env
 
 pytestmark = pytest.mark.slow
 TOY = ("+exp=toy", "train.max_steps=40", "train.log_every=10", "train.eval_every=20")
@@ -42,7 +42,7 @@ def test_tensorboard_mirrors_metrics_and_plain_lines_without_a_tty(tmp_path: Pat
 def test_progress_bar_on_a_tty(tmp_path: Path) -> None:
     """`script` runs the launcher on a pseudo-terminal, as a user's shell would."""
     typescript = tmp_path / "typescript"
-    command = f"{sys.executable} -m launcher {' '.join(TOY)} hydra.run.dir={tmp_path / 'run'}"
+    command = f"{sys.executable} -m launcher {' '.join(on_the_cpu_plan(TOY))} hydra.run.dir={tmp_path / 'run'}"
     out = subprocess.run(["script", "-qec", command, str(typescript)], cwd=tmp_path, env=subprocess_env(),
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, typescript.read_text()[-3000:]

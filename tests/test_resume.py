@@ -19,7 +19,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import read_metrics, run_cli, subprocess_env
+from conftest import on_the_cpu_plan, read_metrics, run_cli, subprocess_env
 from launcher.preempt import REQUEUE_EXIT_CODE
 
 pytestmark = pytest.mark.slow
@@ -31,9 +31,10 @@ SLOW = ("data.sleep_s=0.01",)  # about 25 ms per step on 2 ranks: time to signal
 FP16 = ("precision=fp16", "precision.init_scale=1048576", "precision.growth_interval=5")
 
 
-def start(run_dir: Path, *overrides: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "launcher", *COMMON, *overrides, f"hydra.run.dir={run_dir}"],
-                            cwd=run_dir.parent, env=subprocess_env(), stdout=subprocess.PIPE,
+def start(run_dir: Path, *overrides: str, env: dict[str, str] | None = None) -> subprocess.Popen:
+    args = on_the_cpu_plan([*COMMON, *overrides, f"hydra.run.dir={run_dir}"])
+    return subprocess.Popen([sys.executable, "-m", "launcher", *args],
+                            cwd=run_dir.parent, env=env or subprocess_env(), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
 
 
@@ -95,9 +96,9 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return runs
 
 
-def preempt(run_dir: Path, sig: signal.Signals, *extra: str) -> int:
+def preempt(run_dir: Path, sig: signal.Signals, *extra: str, env: dict[str, str] | None = None) -> int:
     """Start a slow run, signal the launcher process (only it) mid-run; returns the preemption step."""
-    proc = start(run_dir, *SLOW, *extra)
+    proc = start(run_dir, *SLOW, *extra, env=env)
     wait_until(lambda: logged_step(run_dir) >= random.randint(25, 45))
     proc.send_signal(sig)
     finish(proc, REQUEUE_EXIT_CODE)

@@ -1,0 +1,82 @@
+"""torch features newer than the supported floor (torch 2.6), detected once at import, with their fallbacks.
+
+Every feature is found by looking at the installed torch (a parser's flags, a signature), never by its
+version string, and each fallback says in one line at launch what the user loses. The fallbacks run on
+every CI run with the newer features hidden: tests/test_torch_floor.py. Used by the parent (torchrun's
+flags) and the workers (DDP's arguments).
+"""
+from __future__ import annotations
+
+import inspect
+import os
+import signal
+from contextlib import contextmanager
+from types import FrameType
+from typing import Iterator
+
+import torch
+from torch.distributed import run as torchrun
+from torch.distributed.elastic.multiprocessing.api import SignalException
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+TORCHRUN_FLAGS = frozenset(flag for action in torchrun.get_args_parser()._actions for flag in action.option_strings)
+# torchrun --signals-to-handle (torch 2.10): which signals the agent relays to the workers. Before it, the
+# agent handles exactly these four (PContext.start) and the launcher relays any other one itself.
+TORCHRUN_SIGNALS_TO_HANDLE = "--signals-to-handle" in TORCHRUN_FLAGS
+TORCHRUN_DEFAULT_SIGNALS = frozenset({signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT})
+# torchrun --shutdown-timeout (torch 2.12): how long workers may take after a relayed signal. Before it,
+# the agent sends SIGKILL after a fixed 30 s (PContext.close's default), whatever the config says.
+TORCHRUN_SHUTDOWN_TIMEOUT = "--shutdown-timeout" in TORCHRUN_FLAGS
+TORCHRUN_FIXED_SHUTDOWN_S = 30
+
+# DDP forward_sync_buffers=False (torch 2.13): buffers are broadcast at init, never per forward. The older
+# spelling, broadcast_buffers=False, skips the init broadcast too (deprecated from 2.14 on); nothing is lost
+# here, since every rank builds its buffers from the same seed, or loads them from the same checkpoint.
+DDP_NO_FORWARD_BUFFER_SYNC = ({"forward_sync_buffers": False}
+                              if "forward_sync_buffers" in inspect.signature(DDP.__init__).parameters
+                              else {"broadcast_buffers": False})
+
+
+def torchrun_signal_args(signals: list[signal.Signals]) -> list[str]:
+    """`--signals-to-handle=...` where torchrun has it: the agent then relays `signals` to the workers."""
+    if not TORCHRUN_SIGNALS_TO_HANDLE:
+        return []
+    return [f"--signals-to-handle={','.join(sorted(s.name for s in {*TORCHRUN_DEFAULT_SIGNALS, *signals}))}"]
+
+
+def torchrun_shutdown_args(shutdown_timeout_s: int) -> list[str]:
+    return [f"--shutdown-timeout={shutdown_timeout_s}"] if TORCHRUN_SHUTDOWN_TIMEOUT else []
+
+
+def fallback_notes(signals: list[signal.Signals], shutdown_timeout_s: int) -> list[str]:
+    """One line per torchrun feature this torch lacks: what the run does instead, and what that costs."""
+    notes = []
+    extra = sorted(s.name for s in set(signals) - TORCHRUN_DEFAULT_SIGNALS)
+    if extra and not TORCHRUN_SIGNALS_TO_HANDLE:
+        notes.append(f"note: torch {torch.__version__}'s torchrun relays only SIGTERM/SIGINT/SIGHUP/SIGQUIT "
+                     f"(--signals-to-handle is torch 2.10+); the launcher relays {'/'.join(extra)} to the "
+                     f"workers itself, so preemption works the same")
+    if not TORCHRUN_SHUTDOWN_TIMEOUT and shutdown_timeout_s != TORCHRUN_FIXED_SHUTDOWN_S:
+        notes.append(f"note: torch {torch.__version__}'s torchrun has no --shutdown-timeout (torch 2.12+): after "
+                     f"a preemption signal the workers get its fixed {TORCHRUN_FIXED_SHUTDOWN_S} s to checkpoint, "
+                     f"not launcher.shutdown_timeout_s={shutdown_timeout_s}")
+    return notes
+
+
+def _raise_signal_exception(signum: int, frame: FrameType | None) -> None:
+    # What torchrun's own handler does: the agent catches it, sends the same signal to every worker and
+    # waits for them (their checkpoint), then re-raises it to the caller.
+    sigval = signal.Signals(signum)
+    raise SignalException(f"Process {os.getpid()} got signal: {sigval}", sigval=sigval)
+
+
+@contextmanager
+def relay_signals(signals: list[signal.Signals]) -> Iterator[None]:
+    """Around torchrun's agent: relay the `signals` its torchrun cannot (torch < 2.10) to the workers."""
+    extra = [] if TORCHRUN_SIGNALS_TO_HANDLE else sorted(set(signals) - TORCHRUN_DEFAULT_SIGNALS)
+    previous = {sig: signal.signal(sig, _raise_signal_exception) for sig in extra}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
