@@ -2,8 +2,10 @@
 
 Per precision and round: seconds per optimizer step (median over log intervals after the first), the
 launcher/raw ratio within the round, seconds from command start to the end of the first optimizer step,
-peak RSS of rank 0; then gradient all-reduces per optimizer step, counted with a comm hook.
-Run (about 15 minutes on 2 CPU cores): python bench/compare.py [--rounds 3] [--out bench/RESULTS.md]
+peak memory of rank 0; on the CPU also gradient all-reduces per step (a comm hook) and the logging cost.
+With CUDA (bench/gpu.py): BERT-base on every visible GPU, fp32/bf16/fp16, eager and compiled.
+Run: python bench/compare.py [--rounds 3]   (CPU: about 15 minutes on 2 cores, writes bench/RESULTS.md;
+GPU: writes bench/RESULTS-GPU.md, see bench/gpu.py for its options)
 """
 from __future__ import annotations
 
@@ -30,21 +32,23 @@ def checked(cmd: list[str]) -> subprocess.CompletedProcess:
     return out
 
 
-def per_step(stamps: list[float]) -> float:
+def per_step(stamps: list[float], log_every: int = LOG_EVERY) -> float:
     """Median seconds per step over the log intervals after the first (which holds the warm-up)."""
-    return statistics.median((b - a) / LOG_EVERY for a, b in zip(stamps[1:], stamps[2:]))
+    return statistics.median((b - a) / log_every for a, b in zip(stamps[1:], stamps[2:]))
 
 
-def run_launcher(precision: str, work: Path, log_every: int = LOG_EVERY) -> dict:
+def run_launcher(precision: str, work: Path, log_every: int = LOG_EVERY, steps: int = STEPS,
+                 extra: tuple[str, ...] = ()) -> dict:
     run_dir = work / f"launcher-{precision}-{time.time_ns()}"
     started = time.time()
-    checked([sys.executable, "-m", "launcher", "+exp=bench", f"precision={precision}", f"train.max_steps={STEPS}",
-             f"train.log_every={log_every}", f"hydra.run.dir={run_dir}"])
+    checked([sys.executable, "-m", "launcher", "+exp=bench", f"precision={precision}", f"train.max_steps={steps}",
+             f"train.log_every={log_every}", *extra, f"hydra.run.dir={run_dir}"])
     summary = json.loads((run_dir / "summary.json").read_text())
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     stamps = [summary["started_unix_time"] + r["time"] for r in records if "loss" in r]
-    return {"step_s": per_step(stamps) if len(stamps) > 2 else None, "first_step_s": summary["first_step_unix_time"] - started,
-            "peak_rss_mb": summary["peak_mem_mb"], "stamps": stamps, "first_step_unix_time": summary["first_step_unix_time"]}
+    return {"step_s": per_step(stamps, log_every) if len(stamps) > 2 else None,
+            "first_step_s": summary["first_step_unix_time"] - started, "peak_mem_mb": summary["peak_mem_mb"],
+            "stamps": stamps, "first_step_unix_time": summary["first_step_unix_time"]}
 
 
 def logging_cost(work: Path, rounds: int) -> list[float]:
@@ -64,17 +68,18 @@ def logging_cost(work: Path, rounds: int) -> list[float]:
     return ratios
 
 
-def raw_result(*args: str) -> dict:
-    out = checked([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+def raw_result(*args: str, nproc: int = 2) -> dict:
+    out = checked([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
                    str(REPO / "bench" / "raw_ddp.py"), *args])
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def run_raw(precision: str) -> dict:
+def run_raw(precision: str, log_every: int = LOG_EVERY, steps: int = STEPS, extra: tuple[str, ...] = (),
+            nproc: int = 2) -> dict:
     started = time.time()
-    result = raw_result(f"--precision={precision}", f"--steps={STEPS}", f"--log-every={LOG_EVERY}")
-    return {"step_s": per_step(result["stamps"]), "first_step_s": result["first_step_unix_time"] - started,
-            "peak_rss_mb": result["peak_rss_mb"]}
+    result = raw_result(f"--precision={precision}", f"--steps={steps}", f"--log-every={log_every}", *extra, nproc=nproc)
+    return {"step_s": per_step(result["stamps"], log_every), "first_step_s": result["first_step_unix_time"] - started,
+            "peak_mem_mb": result["peak_mem_mb"]}
 
 
 def count_launcher_syncs(work: Path) -> dict:
@@ -93,6 +98,12 @@ def count_launcher_syncs(work: Path) -> dict:
 
 
 def main() -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        from gpu import main as gpu_main  # bench/gpu.py, beside this file
+
+        return gpu_main()
     parser = argparse.ArgumentParser()
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--precisions", default="fp32,bf16")
@@ -116,8 +127,8 @@ def main() -> None:
                          "first_step_delta_s": statistics.median(a["first_step_s"] - b["first_step_s"] for a, b in rounds),
                          "launcher_first_step_s": statistics.median(a["first_step_s"] for a, _ in rounds),
                          "raw_first_step_s": statistics.median(b["first_step_s"] for _, b in rounds),
-                         "launcher_rss_mb": max(a["peak_rss_mb"] for a, _ in rounds),
-                         "raw_rss_mb": max(b["peak_rss_mb"] for _, b in rounds)})
+                         "launcher_rss_mb": max(a["peak_mem_mb"] for a, _ in rounds),
+                         "raw_rss_mb": max(b["peak_mem_mb"] for _, b in rounds)})
         log_ratios = logging_cost(work, args.rounds)
         syncs = count_launcher_syncs(work)
         raw_syncs = raw_result("--count-syncs", f"--steps={SYNC_STEPS}", "--log-every=1")["syncs_per_step"]

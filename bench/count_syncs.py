@@ -14,13 +14,15 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_
 
 from launcher import dist as launcher_dist
 from launcher.data import StepWindows
+from launcher.ledger import Progress
+from launcher.loop import step_ledger
 from launcher.step import train_step
 from launcher.worker import build
 
 
 def main(config_path: str, steps: int) -> None:
     cfg = OmegaConf.load(config_path)
-    env = launcher_dist.init(cfg.dist.backend, cfg.dist.timeout_s)
+    env = launcher_dist.init(cfg.plan.device_type, cfg.dist.backend, cfg.dist.timeout_s)
     result = count(cfg, env, config_path, steps)  # the run and its DDP model end with this call
     if env.is_main:
         print(json.dumps(result), flush=True)
@@ -44,10 +46,11 @@ def count(cfg: DictConfig, env: launcher_dist.DistEnv, config_path: str, steps: 
     run.model.register_comm_hook(None, counting_hook)
     run.task.loss_sum = counted_loss_sum
     windows = StepWindows(run.task, run.data_plan, env.rank, env.world_size, run.grad_accum_steps)
+    ledger = step_ledger(run, Progress())
     for step in range(steps):
         if step == 1:
             calls_at.clear()
-        train_step(run.model, run.task, windows[step], run.optimizer, run.scheduler, run.scaler, run.precision,
+        train_step(run.model, run.task, windows[step], run.optimizer, ledger, run.scaler, run.precision,
                    run.max_grad_norm, env.device)
     last_micro_batches = {k * run.grad_accum_steps for k in range(2, steps + 1)}
     return {"hook_calls_per_step": len(calls_at) / (steps - 1),

@@ -1,12 +1,15 @@
 """A minimal hand-written torchrun + DDP loop: the baseline that bench/compare.py measures the launcher
 against. Same model and data as `+exp=bench` (jobs/bench.py); micro-batches 1..K-1 under no_sync,
-autocast for bf16, clipping, AdamW. Run: torchrun --standalone --nproc-per-node 2 bench/raw_ddp.py
+autocast for bf16/fp16 (GradScaler for fp16), clipping, AdamW. On CUDA: NCCL, one GPU per rank, fused
+AdamW, TF32, pinned batches copied with non_blocking, optionally torch.compile; gloo on the CPU.
+Run: torchrun --standalone --nproc-per-node 2 bench/raw_ddp.py [--precision bf16] [--compile]
 """
 from __future__ import annotations
 
 import argparse
 import gc
 import json
+import os
 import resource
 import sys
 import time
@@ -21,31 +24,45 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from jobs.bench import RandomTokens, bert_from_config  # noqa: E402
 
+DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--precision", choices=["fp32", "bf16"], default="fp32")
+    parser.add_argument("--precision", choices=list(DTYPES), default="fp32")
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--micro", type=int, default=8)
     parser.add_argument("--accum", type=int, default=4)
     parser.add_argument("--log-every", type=int, default=4)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument("--compile", action="store_true")
     parser.add_argument("--count-syncs", action="store_true")
     args = parser.parse_args()
-    dist.init_process_group("gloo")
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+    dist.init_process_group("nccl" if cuda else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
-    model = DDP(bert_from_config())
-    data = RandomTokens()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01)
+    module = bert_from_config(args.layers, args.hidden, args.heads, max_length=args.seq_len).to(device)
+    model = DDP(torch.compile(module) if args.compile else module, device_ids=[device.index] if cuda else None)
+    per_rank = args.micro * args.accum
+    data = RandomTokens(n_samples=max(4096, 2 * per_rank * world), seq_len=args.seq_len)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01, **({"fused": True} if cuda else {}))
+    dtype = DTYPES[args.precision]
+    scaler = torch.amp.GradScaler(device.type, enabled=args.precision == "fp16")
     syncs = [0]
     if args.count_syncs:
         def counting_hook(state, bucket):  # unannotated: DDP checks annotations
             syncs[0] += 1
             return allreduce_hook(None, bucket)
         model.register_comm_hook(None, counting_hook)
-    dtype = torch.bfloat16 if args.precision == "bf16" else None
     order = torch.Generator().manual_seed(0)
-    per_rank = args.micro * args.accum
     stamps, first_step = [], None
     for step in range(args.steps):
         if step == 1:  # DDP rebuilds its buckets in grad-ready order after the first step: count from then on
@@ -54,20 +71,28 @@ def main() -> None:
         mine = indices[rank * per_rank:(rank + 1) * per_rank]
         for k in range(args.accum):
             batch = data.collate(mine[k * args.micro:(k + 1) * args.micro].tolist())
+            if cuda:
+                batch = {key: v.pin_memory().to(device, non_blocking=True) for key, v in batch.items()}
             with model.no_sync() if k < args.accum - 1 else nullcontext():
-                with torch.autocast("cpu", dtype=dtype or torch.float32, enabled=dtype is not None):
+                with torch.autocast(device.type, dtype=dtype or torch.float32, enabled=dtype is not None):
                     loss = data.loss_sum(model, batch) / per_rank
-                loss.backward()
+                scaler.scale(loss).backward()
+        scaler.unscale_(optimizer)
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
+        scaler.step(optimizer)
+        scaler.update()
         optimizer.zero_grad(set_to_none=True)
-        first_step = first_step or time.time()
+        if first_step is None:
+            loss.item()  # the first step has really run (the GPU caught up)
+            first_step = time.time()
         if (step + 1) % args.log_every == 0:
-            loss.item()
+            loss.item()  # waits for the GPU: the stamp is the end of this step
             stamps.append(time.time())
     if rank == 0:
+        peak = torch.cuda.max_memory_allocated(device) / 2**20 if cuda else \
+            resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         print(json.dumps({"stamps": stamps, "first_step_unix_time": first_step, "syncs_per_step": syncs[0] / (args.steps - 1),
-                          "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}), flush=True)
+                          "peak_mem_mb": peak, "samples_per_step": per_rank * world}), flush=True)
     del model, optimizer  # DDP must be collected while Python is alive (see launcher.dist.shutdown)
     gc.collect()
     dist.destroy_process_group()

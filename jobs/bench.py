@@ -39,7 +39,9 @@ class RandomTokens:
         return torch.tensor(len(batch["labels"]))
 
     def loss_sum(self, model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        # No padding, so no attention mask for the model (the batch keeps it for tokens/s): with one, HF's
+        # SDPA attention checks `mask.all()` on the GPU, a host sync in every forward.
+        logits = model(input_ids=batch["input_ids"]).logits
         return F.cross_entropy(logits.float(), batch["labels"], reduction="sum")
 
     def eval_sums(self, model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -39,16 +39,26 @@ def classification_model(pretrained: str, num_labels: int, dtype: str = "float32
 class BertMaskedLMSum(BertForMaskedLM):
     """BertForMaskedLM whose forward returns the SUM of the loss over masked tokens (and their logits).
 
-    The vocabulary projection runs only at masked positions: on all positions it is most of the cost.
+    The vocabulary projection runs only at masked positions (on all positions it is most of the cost),
+    gathered by `masked_positions`, flat indices the collate step found on the CPU: a boolean mask
+    (`hidden[labels != -100]`) would make the GPU tell the host how many there are, a sync per forward.
     """
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, labels: torch.Tensor,
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor, masked_positions: torch.Tensor | None = None,
+                attention_mask: torch.Tensor | None = None,
                 token_type_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         hidden = self.bert(input_ids=input_ids, attention_mask=attention_mask,
                            token_type_ids=token_type_ids).last_hidden_state
-        masked = labels != -100
-        logits = self.cls(hidden[masked])
-        return F.cross_entropy(_fp32(logits), labels[masked], reduction="sum"), logits
+        if masked_positions is None:  # called without our collate: find them here (a host sync on a GPU)
+            masked_positions = _masked_positions(labels)
+        logits = self.cls(hidden.flatten(0, 1).index_select(0, masked_positions))
+        targets = labels.flatten().index_select(0, masked_positions)
+        return F.cross_entropy(_fp32(logits), targets, reduction="sum"), logits
+
+
+def _masked_positions(labels: torch.Tensor) -> torch.Tensor:
+    """Flat indices (into batch x length) of the tokens the MLM loss is taken over."""
+    return (labels.flatten() != -100).nonzero().squeeze(1)
 
 
 def masked_lm_model(pretrained: str, dtype: str = "float32") -> torch.nn.Module:
@@ -61,8 +71,17 @@ def _fp32(logits: torch.Tensor) -> torch.Tensor:
     return logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
 
 
-def _inputs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    return {k: v for k, v in batch.items() if k not in ("labels", "id")}
+def _inputs(batch: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """The model's inputs. A batch without padding goes without its attention mask (which of the two is
+    known on the CPU at collate time): HF's SDPA attention would otherwise check `mask.all()` on the GPU,
+    a host sync in every forward, to find out what the mask changes nothing."""
+    dropped = {"labels", "id", "padded"} | (set() if batch.get("padded", True) else {"attention_mask"})
+    return {k: v for k, v in batch.items() if k not in dropped}
+
+
+def _mark_padding(batch: Any) -> Any:
+    batch["padded"] = not bool(batch["attention_mask"].all())  # a CPU tensor here: no sync
+    return batch
 
 
 def _tokenize(tokenizer: Any, rows: list[dict[str, Any]], fields: list[str], max_length: int) -> list[dict]:
@@ -113,7 +132,7 @@ class TextClassification:
         return samples
 
     def collate(self, samples: list[dict]) -> dict[str, torch.Tensor]:
-        return self.pad([{k: v for k, v in s.items() if k != "id"} for s in samples])
+        return _mark_padding(self.pad([{k: v for k, v in s.items() if k != "id"} for s in samples]))
 
     def count_items(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         return torch.tensor(len(batch["labels"]))
@@ -180,17 +199,19 @@ class MaskedLM:
         return {**sample, "input_ids": inputs.tolist(), "labels": torch.where(chosen, ids, -100).tolist()}
 
     def collate(self, samples: list[dict]) -> dict[str, torch.Tensor]:
-        return self.pad([{k: v for k, v in s.items() if k != "id"} for s in samples])
+        batch = _mark_padding(self.pad([{k: v for k, v in s.items() if k != "id"} for s in samples]))
+        batch["masked_positions"] = _masked_positions(batch["labels"])
+        return batch
 
     def count_items(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        return (batch["labels"] != -100).sum()  # the loss tokens: the step normalises by their global count
+        return torch.tensor(len(batch["masked_positions"]))  # the loss tokens: normalised by their global count
 
     def loss_sum(self, model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         return model(**_inputs(batch), labels=batch["labels"])[0]
 
     def eval_sums(self, model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         loss_sum, logits = model(**_inputs(batch), labels=batch["labels"])
-        targets = batch["labels"][batch["labels"] != -100]
+        targets = batch["labels"].flatten().index_select(0, batch["masked_positions"])
         return {"loss_sum": loss_sum, "count": self.count_items(batch),
                 "correct": (logits.argmax(-1) == targets).sum()}
 

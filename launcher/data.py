@@ -13,7 +13,7 @@ from typing import Any, Callable, Iterable
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from launcher.task import Task
+from launcher.task import Task, count_tokens
 
 
 @dataclass(frozen=True)
@@ -52,6 +52,8 @@ class Window:
 
     micro_batches: list[dict[str, Any]]
     step_samples: int  # samples in the whole step over all ranks (for samples/s without a sync)
+    n_items: int  # items the loss sums over in this rank's window (0 when padding), counted on the CPU
+    n_tokens: int | None = None  # non-pad tokens of this rank's window (text jobs), for tokens/s
     sample_ids: list[int] = field(default_factory=list)
     padding: bool = False  # this rank got no sample of a short window: one sample counted with weight 0
 
@@ -76,7 +78,12 @@ class StepWindows(Dataset):
             mine = indices[:1]
         chunks = [c for c in torch.tensor_split(mine, self.grad_accum_steps) if len(c)]
         batches = [self.task.collate([self.task.train_set[i] for i in c.tolist()]) for c in chunks]
-        return Window(batches, len(indices), [] if padding else mine.tolist(), padding)
+        # Counted here, on the CPU batches (in a loader process when there are some): the step then needs
+        # no read-back from, and no pageable copy to, the GPU to normalise its loss.
+        n_items = 0 if padding else sum(int(self.task.count_items(b)) for b in batches)
+        tokens = [count_tokens(b) for b in batches]
+        n_tokens = None if tokens[0] is None else 0 if padding else sum(tokens)
+        return Window(batches, len(indices), n_items, n_tokens, [] if padding else mine.tolist(), padding)
 
     def __len__(self) -> int:
         raise TypeError("StepWindows is indexed by step; iterate it through window_loader")

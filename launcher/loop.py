@@ -17,6 +17,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from launcher import checkpoint
 from launcher.data import DataPlan, StepWindows, Window, eval_batches, window_loader
 from launcher.dist import DistEnv, all_gather_objects, all_reduce_sum
+from launcher.ledger import Progress, StepLedger
 from launcher.meter import Meter, peak_flops, peak_memory_mb, training_flops_per_item
 from launcher.metrics import RunLog
 from launcher.precision import Precision
@@ -68,20 +69,11 @@ def evaluate(run: Run) -> dict[str, float]:
     for batch in eval_batches(run.task, run.env.rank, run.env.world_size, run.micro_batch_size):
         with run.precision.autocast():
             batch_sums = run.task.eval_sums(module, to_device(batch, run.env.device))
-        sums += torch.stack([batch_sums[k].double() for k in keys])
+        # A job may count on the CPU and sum on the GPU (len() -> torch.tensor): bring all to the sums'.
+        sums += torch.stack([torch.as_tensor(batch_sums[k]).to(sums) for k in keys])
     all_reduce_sum(sums)
     module.train()
     return run.task.eval_metrics(dict(zip(keys, sums.tolist())))
-
-
-@dataclass
-class Progress:
-    """Where training stands; saved in every checkpoint, restored on resume."""
-
-    step: int = 0  # optimizer steps done (windows consumed, skipped steps included)
-    samples: int = 0  # samples consumed
-    skipped_steps: int = 0
-    bad_in_a_row: int = 0  # consecutive steps with non-finite gradients
 
 
 def timed(loader: Iterable[Window]) -> Iterator[tuple[Window, float]]:
@@ -99,7 +91,8 @@ def timed(loader: Iterable[Window]) -> Iterator[tuple[Window, float]]:
 def train(run: Run, progress: Progress, stop: StopFlag) -> dict[str, Any]:
     """Train from progress.step to max_steps; returns the summary (also written by rank 0).
 
-    A preemption request ends the loop at the next step boundary with a complete checkpoint.
+    A preemption request reaches every rank in the next step's all-reduce; the host reads it one step
+    later (launcher/ledger.py), and there every rank saves the same complete checkpoint and stops.
     """
     resumed_from, resumed_samples = progress.step, progress.samples
     windows = StepWindows(run.task, run.data_plan, run.env.rank, run.env.world_size, run.grad_accum_steps)
@@ -109,26 +102,28 @@ def train(run: Run, progress: Progress, stop: StopFlag) -> dict[str, Any]:
                            worker_init_fn=partial(ignore_in_data_workers, signals=stop.signals))
     meter = Meter(run.env.device, training_flops_per_item(run.module),
                   peak_flops(run.env.device, run.precision.name), run.env.world_size)
+    ledger = step_ledger(run, progress)
     started, loss, preempted, first_step_at = time.perf_counter(), float("nan"), False, None
     for window, data_wait_s in timed(loader):
-        result = train_step(run.model, run.task, window, run.optimizer, run.scheduler, run.scaler,
-                            run.precision, run.max_grad_norm, run.env.device, stop_requested=stop.requested)
-        first_step_at = first_step_at or time.time()  # start-up cost, as users feel it
+        result = train_step(run.model, run.task, window, run.optimizer, ledger, run.scaler, run.precision,
+                            run.max_grad_norm, run.env.device, stop_requested=stop.requested)
+        if first_step_at is None:  # start-up cost as users feel it: until the GPU has done the first step
+            ledger.settle()
+            first_step_at = time.time()
         progress.step += 1
         step = progress.step
         progress.samples += window.step_samples
-        progress.skipped_steps += not result.stepped
-        progress.bad_in_a_row = 0 if result.stepped else progress.bad_in_a_row + 1
-        if progress.bad_in_a_row >= run.max_bad_steps:  # the flag is agreed: every rank stops here
-            raise RuntimeError(f"{progress.bad_in_a_row} consecutive steps had non-finite gradients "
-                               f"(train.max_bad_steps={run.max_bad_steps}); the last complete checkpoint "
-                               f"is kept in {run.run_dir / 'checkpoints'}")
-        meter.add(window.step_samples, result.loss, result.tokens, data_wait_s)
+        meter.add(window.step_samples, result.loss, window.n_tokens, data_wait_s)
         run.log.advance()
         if run.log_samples:
             run.log.samples(step, all_gather_objects(window.sample_ids))
 
-        if step % run.log_every == 0 or step == run.max_steps:  # every rank: the meter sums tokens
+        log_now = step % run.log_every == 0 or step == run.max_steps
+        eval_now = run.eval_every and step % run.eval_every == 0 and step != run.max_steps
+        ckpt_now = run.ckpt_every and step % run.ckpt_every == 0 and step != run.max_steps
+        if log_now or eval_now or ckpt_now or ledger.stop:  # these wait for the GPU anyway: read this step's
+            ledger.settle()                                 # flags now, so what they record is exact
+        if log_now:  # every rank: the meter sums tokens
             record = {"step": step, "epoch": run.data_plan.epoch_of(step - 1), **meter.read(),
                       "lr": run.scheduler.get_last_lr()[0], "grad_norm": result.grad_norm.item(),
                       "skipped_steps": progress.skipped_steps}
@@ -137,16 +132,16 @@ def train(run: Run, progress: Progress, stop: StopFlag) -> dict[str, Any]:
             loss = record["loss"]
             run.log.metrics(record, run.max_steps)
 
-        if result.stop:  # agreed by all ranks in the step's all-reduce
+        if ledger.stop:  # agreed by all ranks, read by all at the same step
             save_checkpoint(run, progress)
             run.log.preempted(step, stop.signum)
             # No rank exits before the marker exists: a node's launcher reads it once its workers exit.
             torch.distributed.barrier()
             preempted = True
             break
-        if run.eval_every and step % run.eval_every == 0 and step != run.max_steps:
+        if eval_now:
             run.log.metrics({"step": step, "eval": evaluate(run)}, run.max_steps)
-        if run.ckpt_every and step % run.ckpt_every == 0 and step != run.max_steps:
+        if ckpt_now:
             save_checkpoint(run, progress)
 
     wall = time.perf_counter() - started
@@ -170,10 +165,15 @@ def train(run: Run, progress: Progress, stop: StopFlag) -> dict[str, Any]:
     return summary
 
 
+def step_ledger(run: Run, progress: Progress) -> StepLedger:
+    """The host's late view of the steps' agreed flags, counting into `progress` (launcher/ledger.py)."""
+    return StepLedger(progress, run.scheduler, run.max_bad_steps, run.run_dir / "checkpoints")
+
+
 def save_checkpoint(run: Run, progress: Progress) -> None:
     """All ranks enter (RNG states are gathered); rank 0 writes checkpoints/<step>/."""
     checkpoint.save(run.run_dir, progress.step, run.module, train_state(run, progress), run.env.is_main,
-                    run.keep_checkpoints)
+                    run.keep_checkpoints, run.env.device)
 
 
 def train_state(run: Run, progress: Progress) -> dict[str, Any]:

@@ -43,7 +43,6 @@ class Meter:
     def __init__(self, device: torch.device, flops_per_item: float, peak: float | None, world_size: int):
         self.device, self.flops_per_item, self.peak, self.world_size = device, flops_per_item, peak, world_size
         self.loss = torch.zeros((), device=device)
-        self.tokens = torch.zeros((), device=device)
         self.reset()
 
     def reset(self) -> None:
@@ -51,17 +50,15 @@ class Meter:
         self.data_wait_s = 0.0
         self.started = time.perf_counter()
         self.loss.zero_()
-        self.tokens.zero_()
-        self.has_tokens = False
+        self.tokens: int | None = None  # this rank's, counted on the CPU (text jobs only)
 
-    def add(self, samples: int, loss: torch.Tensor, tokens: torch.Tensor | None, data_wait_s: float) -> None:
+    def add(self, samples: int, loss: torch.Tensor, tokens: int | None, data_wait_s: float) -> None:
         self.steps += 1
         self.samples += samples
         self.data_wait_s += data_wait_s
         self.loss += loss
         if tokens is not None:
-            self.tokens += tokens
-            self.has_tokens = True
+            self.tokens = (self.tokens or 0) + tokens
 
     def read(self) -> dict[str, Any]:
         """The interval's means and rates; every rank calls it (tokens are summed over ranks)."""
@@ -69,8 +66,9 @@ class Meter:
         record: dict[str, Any] = {"loss": (self.loss / max(self.steps, 1)).item(),
                                   "samples_per_sec": self.samples / elapsed}
         items_per_sec = record["samples_per_sec"]
-        if self.has_tokens:
-            record["tokens_per_sec"] = all_reduce_sum(self.tokens).item() / elapsed
+        if self.tokens is not None:
+            tokens = all_reduce_sum(torch.full((), float(self.tokens), dtype=torch.float64, device=self.device))
+            record["tokens_per_sec"] = tokens.item() / elapsed
             items_per_sec = record["tokens_per_sec"]
         record["mfu"] = None if self.peak is None else \
             self.flops_per_item * items_per_sec / (self.peak * self.world_size)

@@ -36,10 +36,10 @@ class Task(Protocol):
         """Metrics from the global sums, e.g. accuracy = correct / count."""
 
 
-def count_tokens(batch: dict[str, torch.Tensor]) -> torch.Tensor | None:
-    """Non-pad tokens of a text batch (for tokens/s), or None when the batch has no attention mask."""
+def count_tokens(batch: dict[str, torch.Tensor]) -> int | None:
+    """Non-pad tokens of a (CPU) text batch, for tokens/s; None when the batch has no attention mask."""
     mask = batch.get("attention_mask")
-    return None if mask is None else mask.sum()
+    return None if mask is None else int(mask.sum())
 
 
 def to_device(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:

@@ -3,7 +3,7 @@
 It builds the run exactly as launcher.worker does, then drives launcher.step.train_step while recording
 what a test needs: comm-hook calls, gradients after each micro-step, grad norms, param hashes,
 loss scale and LR-scheduler position; mode `eval` runs only the launcher's evaluation.
-Usage: torchrun ... probe_worker.py <config.yaml> <sync|fp16|eval|knobs> [inf_step]; writes probe_rank<r>.pt
+Usage: torchrun ... probe_worker.py <config.yaml> <sync|fp16|eval|knobs|syncfree> [inf_step]; writes probe_rank<r>.pt
 """
 from __future__ import annotations
 
@@ -16,8 +16,10 @@ from omegaconf import DictConfig, OmegaConf
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
 from launcher import dist as launcher_dist
-from launcher.data import StepWindows
-from launcher.loop import evaluate
+from launcher.data import StepWindows, window_loader
+from launcher.ledger import Progress
+from launcher.loop import evaluate, step_ledger
+from launcher.meter import Meter
 from launcher.step import train_step
 from launcher.worker import build
 
@@ -35,7 +37,7 @@ def grads_of(model: torch.nn.Module) -> list[torch.Tensor]:
 
 def main(config_path: str, mode: str, inf_step: int = -1) -> None:
     cfg = OmegaConf.load(config_path)
-    env = launcher_dist.init(cfg.dist.backend, cfg.dist.timeout_s)
+    env = launcher_dist.init(cfg.plan.device_type, cfg.dist.backend, cfg.dist.timeout_s)
     out = observe(cfg, env, config_path, mode, inf_step)  # the run and its DDP model end with this call
     torch.save(out, Path(config_path).with_name(f"probe_rank{env.rank}.pt"))
     launcher_dist.shutdown()
@@ -48,6 +50,26 @@ def observe(cfg: DictConfig, env: launcher_dist.DistEnv, config_path: str, mode:
     if mode == "eval":
         out["eval"] = evaluate(run)
         return out
+    if mode == "syncfree":  # issue 11: a steady step (no log, eval or checkpoint) never waits for the GPU
+        ledger = step_ledger(run, Progress())
+        windows = StepWindows(run.task, run.data_plan, env.rank, env.world_size, run.grad_accum_steps)
+        loader = window_loader(windows, range(run.max_steps), num_workers=0, pin_memory=True)  # as the loop's
+        meter = Meter(env.device, 1.0, None, env.world_size)
+        for step, window in enumerate(loader):
+            if step == 3:  # after the warm-up: first allocations, DDP's bucket rebuild, optimizer state
+                torch.cuda.set_sync_debug_mode("error")
+            result = train_step(run.model, run.task, window, run.optimizer, ledger, run.scaler, run.precision,
+                                run.max_grad_norm, env.device)
+            meter.add(window.step_samples, result.loss, window.n_tokens, 0.0)
+        try:  # the control: a read of a GPU value does raise here
+            result.loss.item()
+            out["control_raised"] = False
+        except RuntimeError:
+            out["control_raised"] = True
+        torch.cuda.set_sync_debug_mode("default")
+        ledger.settle()
+        out["steps_without_sync"] = run.max_steps - 3
+        return out
     if mode == "knobs":  # what DDP, the optimizer and torch report after two real steps
         calls, comm_hook = {"n": 0}, run.model._get_ddp_logging_data().get("comm_hook")  # as the worker built it
         if not cfg.dist.comm_hook:  # count the all-reduces, one per bucket (a configured hook stays as it is)
@@ -56,9 +78,10 @@ def observe(cfg: DictConfig, env: launcher_dist.DistEnv, config_path: str, mode:
                 return allreduce_hook(None, bucket)
             run.model.register_comm_hook(calls, counting_hook)
         windows = StepWindows(run.task, run.data_plan, env.rank, env.world_size, run.grad_accum_steps)
+        ledger = step_ledger(run, Progress())
         for step in range(2):  # DDP rebuilds its buckets in grad-ready order after the first step
             calls["n"] = 0
-            train_step(run.model, run.task, windows[step], run.optimizer, run.scheduler, run.scaler, run.precision,
+            train_step(run.model, run.task, windows[step], run.optimizer, ledger, run.scaler, run.precision,
                        run.max_grad_norm, env.device)
         ddp = run.model._get_ddp_logging_data()
         out["knobs"] = {"bucket_cap_bytes": ddp["bucket_cap_bytes"], "comm_hook": comm_hook,
@@ -87,8 +110,8 @@ def observe(cfg: DictConfig, env: launcher_dist.DistEnv, config_path: str, mode:
             micro["snapshots"].append(grads_of(run.model.module))
         micro["items"].append(int(run.task.count_items(batch)))
         loss = task_loss(model, batch)
-        if micro["step"] == inf_step and env.rank == 1 and micro["index"] == 0:
-            loss = loss * float("inf")  # an overflow on one rank only
+        if micro["step"] == inf_step and env.rank == env.world_size - 1 and micro["index"] == 0:
+            loss = loss * float("inf")  # an overflow on one rank only (the last: rank 1 of 2, or the only one)
         return loss
 
     run.task.loss_sum = observed_loss
@@ -96,20 +119,24 @@ def observe(cfg: DictConfig, env: launcher_dist.DistEnv, config_path: str, mode:
     run.optimizer.register_step_pre_hook(lambda opt, args, kwargs: synced.append(grads_of(run.model.module)))
 
     windows = StepWindows(run.task, run.data_plan, env.rank, env.world_size, run.grad_accum_steps)
+    progress = Progress()
+    ledger = step_ledger(run, progress)
     for step in range(run.max_steps):
         micro.update(index=-1, step=step, snapshots=[], items=[])
         hook_state.update(calls=0, micro_at_call=[])
         synced.clear()
         scale_before, sched_before = run.scaler.get_scale(), run.scheduler.last_epoch
         window = windows[step]
-        result = train_step(run.model, run.task, window, run.optimizer, run.scheduler, run.scaler,
-                            run.precision, run.max_grad_norm, env.device)
+        skipped_before = progress.skipped_steps
+        result = train_step(run.model, run.task, window, run.optimizer, ledger, run.scaler, run.precision,
+                            run.max_grad_norm, env.device)
+        ledger.settle()  # what the loop does at its log steps: the step's skip and scheduler step are read
         out["steps"].append({
             "micro_batches": len(window.micro_batches), "sample_ids": window.sample_ids,
             "comm_hook_calls": hook_state["calls"], "micro_at_call": hook_state["micro_at_call"],
             "items_per_micro_batch": micro["items"], "unsynced_grads": micro["snapshots"],
             "synced_grads": synced[0] if synced else None,
-            "grad_norm": result.grad_norm.item(), "loss": result.loss.item(), "stepped": result.stepped,
+            "grad_norm": result.grad_norm.item(), "loss": result.loss.item(), "stepped": progress.skipped_steps == skipped_before,
             "params": params_hash(run.model.module), "scale_before": scale_before,
             "scale_after": run.scaler.get_scale(), "sched_before": sched_before,
             "sched_after": run.scheduler.last_epoch, "lr": run.scheduler.get_last_lr()[0]})

@@ -55,6 +55,29 @@ def test_mean_over_micro_batches_would_be_wrong_for_mlm(tiny_bert: Path) -> None
     assert not torch.allclose(mean_over_k, big_batch, rtol=1e-3, atol=1e-9)
 
 
+def test_unpadded_batches_go_without_a_mask_and_mlm_gathers_by_position(tiny_bert: Path) -> None:
+    """What keeps the GPU from telling the host anything mid-step (issue 11), changes no number: a batch
+    without padding runs without its attention mask, and the MLM head gathers the masked positions found
+    on the CPU instead of indexing with a boolean mask."""
+    task = MaskedLM(str(tiny_bert), n_train=64, n_eval=0)
+    model = masked_lm_model(str(tiny_bert), dtype="float64")
+    by_length: dict[int, list] = {}
+    for sample in task.train_set:
+        by_length.setdefault(len(sample["input_ids"]), []).append(sample)
+    equal = next(group[:2] for group in by_length.values() if len(group) >= 2)
+    unpadded, padded = task.collate(equal), task.collate(task.train_set[:4])
+    assert unpadded["padded"] is False and padded["padded"] is True
+    for batch in (unpadded, padded):
+        labels = batch["labels"]
+        with_mask = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], labels=labels)[0]
+        hidden = model.bert(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).last_hidden_state
+        by_boolean_mask = torch.nn.functional.cross_entropy(model.cls(hidden[labels != -100]), labels[labels != -100],
+                                                            reduction="sum")
+        torch.testing.assert_close(task.loss_sum(model, batch), with_mask, rtol=1e-12, atol=0)
+        torch.testing.assert_close(task.loss_sum(model, batch), by_boolean_mask, rtol=1e-12, atol=0)
+    assert int(task.count_items(padded)) == int((padded["labels"] != -100).sum())
+
+
 def test_eval_metrics_are_exact_for_1_2_and_3_ranks(tmp_path: Path, tiny_bert: Path) -> None:
     """23 eval samples (divides by none of 2, 3): no padding duplicates, the same metrics everywhere."""
     common = (f"model.pretrained={tiny_bert}", "data.n_train=24", "data.n_eval=23",

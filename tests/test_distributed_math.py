@@ -106,10 +106,12 @@ def test_one_gradient_sync_per_step_and_ranks_stay_identical(tmp_path: Path, com
         assert not set(s0["sample_ids"]) & set(s1["sample_ids"])  # disjoint shares of the step
 
 
-def test_fp16_overflow_on_one_rank_skips_the_step_everywhere(tmp_path: Path) -> None:
+@pytest.mark.parametrize("fused", [False, True], ids=["foreach", "fused"])
+def test_fp16_overflow_on_one_rank_skips_the_step_everywhere(tmp_path: Path, fused: bool) -> None:
     """Issue 2 test 4, PITFALLS #7: an inf on rank 1 at step 3 -> every rank skips, the scale halves
-    identically, the scheduler does not advance; every other step is a real step."""
-    ranks = probe(tmp_path, 2, "fp16", "precision=fp16", "precision.init_scale=1024",
+    identically, the scheduler does not advance; every other step is a real step. A fused optimizer (the
+    default on CUDA) skips on the device, given the agreed flag as found_inf; another reads the flag."""
+    ranks = probe(tmp_path, 2, "fp16", "precision=fp16", "precision.init_scale=1024", f"+optimizer.fused={fused}",
                   "scheduler=linear", "scheduler.warmup_steps=3", "train.max_steps=6", inf_step=3)
     for rank in ranks:
         steps = rank["steps"]
