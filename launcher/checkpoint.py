@@ -50,7 +50,11 @@ def set_rng_state(state: dict[str, Any], device: torch.device) -> None:
     name, keys, pos, gauss, cached = state["numpy"]
     np.random.set_state((name, np.array(keys, dtype=np.uint32), pos, gauss, cached))
     if device.type == "cuda" and "cuda" in state:  # a CPU run's checkpoint has none: CUDA's stays seeded
-        torch.cuda.set_rng_state(state["cuda"], device)
+        cuda = state["cuda"]
+        if isinstance(cuda, list):  # an older launcher's checkpoint: every visible GPU's state, by index
+            cuda = cuda[device.index] if device.index < len(cuda) else None
+        if cuda is not None:
+            torch.cuda.set_rng_state(cuda, device)
 
 
 def _sha256(path: Path) -> str:

@@ -58,8 +58,8 @@ def fallback_notes(signals: list[signal.Signals], shutdown_timeout_s: int) -> li
                      f"workers itself, so preemption works the same")
     if not TORCHRUN_SHUTDOWN_TIMEOUT and shutdown_timeout_s != TORCHRUN_FIXED_SHUTDOWN_S:
         notes.append(f"note: torch {torch.__version__}'s torchrun has no --shutdown-timeout (torch 2.12+): after "
-                     f"a preemption signal the workers get its fixed {TORCHRUN_FIXED_SHUTDOWN_S} s to checkpoint, "
-                     f"not launcher.shutdown_timeout_s={shutdown_timeout_s}")
+                     f"a preemption signal the workers get its fixed {TORCHRUN_FIXED_SHUTDOWN_S} s to finish two steps and "
+                     f"checkpoint, not launcher.shutdown_timeout_s={shutdown_timeout_s}")
     return notes
 
 

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import os
 import sys
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 from omegaconf import DictConfig
 from torch.distributed import run as torchrun
@@ -33,15 +35,31 @@ def run_local(config_path: Path, plan: Plan, launcher: DictConfig) -> int:
     return run_agent(config_path, plan, launcher, ["--standalone"])
 
 
+@contextmanager
+def visible_gpus(devices: str | None) -> Iterator[None]:
+    """CUDA_VISIBLE_DEVICES for the workers the agent starts (they copy the environment); None: unchanged.
+
+    A CPU plan's workers get "": they never see, or initialise, a GPU. Put back afterwards, so the next run
+    of a local -m sweep (the same process) plans with the GPUs again."""
+    before = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if devices is not None:
+        os.environ["CUDA_VISIBLE_DEVICES"] = devices
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+        else:
+            os.environ["CUDA_VISIBLE_DEVICES"] = before
+
+
 def run_agent(config_path: Path, plan: Plan, launcher: DictConfig, rendezvous: list[str]) -> int:
     """Run torchrun's agent for this node's workers in this process and wait; returns the node's exit code."""
     run_dir, signals = config_path.parent, preemption_signals(launcher.signal)
     for note in fallback_notes(signals, launcher.shutdown_timeout_s):
         print(note, file=sys.stderr, flush=True)
-    if plan.device_type == "cpu":  # the workers inherit it: a CPU plan's workers never see (or init) a GPU
-        os.environ["CUDA_VISIBLE_DEVICES"] = ""
     try:
-        with relay_signals(signals):
+        with relay_signals(signals), visible_gpus("" if plan.device_type == "cpu" else None):
             torchrun.run(torchrun.parse_args(torchrun_args(config_path, plan, launcher, rendezvous)))
     except SignalException as err:  # the agent relayed it and waited for the workers' checkpoint
         code = 128 + int(err.sigval)

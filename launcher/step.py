@@ -67,8 +67,12 @@ def train_step(model: DDP, task: Task, window: Window, optimizer: torch.optim.Op
 def step_unless_nonfinite(optimizer: torch.optim.Optimizer, nonfinite: torch.Tensor) -> None:
     """optimizer.step(), skipped when `nonfinite`: on the device for fused optimizers (they take found_inf
     the way GradScaler hands it over, and undo their step count), else by one read of the flag (free on
-    the CPU; a host sync on a GPU, which is why fused optimizers are the default there)."""
-    if getattr(optimizer, "_step_supports_amp_scaling", False):
+    the CPU; a host sync on a GPU, which is why fused optimizers are the default there).
+
+    Not before the optimizer has state: a fused SGD creates its momentum buffers with empty_like in its
+    first step and keeps them even when found_inf skips the update, so a skipped first step would leave
+    garbage momentum behind. The first step (and any before a real one) reads the flag instead."""
+    if getattr(optimizer, "_step_supports_amp_scaling", False) and optimizer.state:
         optimizer.grad_scale, optimizer.found_inf = None, nonfinite.float()  # grads are unscaled already
         try:
             optimizer.step()

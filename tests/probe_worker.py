@@ -136,7 +136,7 @@ def observe(cfg: DictConfig, env: launcher_dist.DistEnv, config_path: str, mode:
             "comm_hook_calls": hook_state["calls"], "micro_at_call": hook_state["micro_at_call"],
             "items_per_micro_batch": micro["items"], "unsynced_grads": micro["snapshots"],
             "synced_grads": synced[0] if synced else None,
-            "grad_norm": result.grad_norm.item(), "loss": result.loss.item(), "stepped": progress.skipped_steps == skipped_before,
+            "grad_norm": result.grad_norm.item(), "loss": result.loss.item(), "stepped": progress.skipped_steps == skipped_before, "optimizer_state": len(run.optimizer.state),
             "params": params_hash(run.model.module), "scale_before": scale_before,
             "scale_after": run.scaler.get_scale(), "sched_before": sched_before,
             "sched_after": run.scheduler.last_epoch, "lr": run.scheduler.get_last_lr()[0]})

@@ -4,6 +4,7 @@ PITFALLS #1 #3 #4/#5 #7 #17 and issue 2's tests 1-4.
 """
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
@@ -124,3 +125,17 @@ def test_fp16_overflow_on_one_rank_skips_the_step_everywhere(tmp_path: Path, fus
         assert all(s["sched_after"] == s["sched_before"] + 1 for i, s in enumerate(steps) if i != 3)
     for s0, s1 in zip(ranks[0]["steps"], ranks[1]["steps"]):
         assert (s0["scale_after"], s0["params"], s0["lr"]) == (s1["scale_after"], s1["params"], s1["lr"])
+
+
+def test_a_skipped_first_step_leaves_no_momentum_behind(tmp_path: Path) -> None:
+    """A fused SGD makes its momentum buffers with empty_like in its first step and keeps them when
+    found_inf skips the update: the launcher reads the flag for steps before the first real one, so a
+    skipped first step leaves no optimizer state at all, and the next steps are finite."""
+    ranks = probe(tmp_path, 2, "fp16", "precision=fp16", "optimizer=sgd", "optimizer.momentum=0.9",
+                  "+optimizer.fused=true", "train.max_steps=3", inf_step=0)
+    for rank in ranks:
+        steps = rank["steps"]
+        assert [s["stepped"] for s in steps] == [False, True, True]
+        assert steps[0]["optimizer_state"] == 0 and steps[1]["optimizer_state"] == steps[2]["optimizer_state"] > 0
+        assert all(math.isfinite(s["loss"]) and math.isfinite(s["grad_norm"]) for s in steps[1:])
+    assert ranks[0]["steps"][2]["params"] == ranks[1]["steps"][2]["params"]

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import transformers
 from omegaconf import OmegaConf
 
 from conftest import read_metrics, run_cli
@@ -66,7 +67,10 @@ def test_fp16_overflow_on_cuda_skips_halves_the_scale_and_holds_the_scheduler(tm
 @pytest.mark.parametrize("exp,precision", [("toy", "fp32"), ("toy", "fp16"), ("bench", "bf16"), ("bench", "fp16")])
 def test_a_steady_step_never_waits_for_the_gpu(tmp_path: Path, exp: str, precision: str) -> None:
     """Issue 11: under torch.cuda.set_sync_debug_mode("error") five steps that neither log, evaluate nor
-    checkpoint run through (pinned loading, the step, the meter); a GPU read there does raise."""
+    checkpoint run through (pinned loading, the step, the meter); a GPU read there does raise. BERT
+    (bench) needs transformers 5: 4.x's BERT checks its attention mask on the GPU in every forward."""
+    if exp == "bench" and int(transformers.__version__.split(".")[0]) < 5:
+        pytest.skip(f"transformers {transformers.__version__}'s BERT syncs on its attention mask (5.x does not)")
     small_bert = ("model.layers=2", "model.hidden=128", "model.heads=2", "data.seq_len=64", "data.n_samples=256")
     (rank,) = probe(tmp_path, 1, "syncfree", *ONE_GPU, f"precision={precision}", "train.max_steps=8",
                     *(small_bert if exp == "bench" else ()), exp=exp)

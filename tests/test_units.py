@@ -1,6 +1,8 @@
 """In-process unit tests: batch math, the data plan, the schedule (PITFALLS #15 #16, issue 2)."""
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -59,3 +61,20 @@ def test_schedules() -> None:
     assert lr_factor(10, "linear", 0, 10, 0.1) == pytest.approx(0.1)
     assert lr_factor(5, "cosine", 0, 10, 0.0) == pytest.approx(0.5)
     assert lr_factor(10, "cosine", 0, 10, 0.0) == pytest.approx(0.0)
+
+
+def test_a_cpu_plan_hides_the_gpus_only_from_its_own_workers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The workers inherit CUDA_VISIBLE_DEVICES=""; the parent gets its own value back, so the next point of
+    a local -m sweep (the same process) still plans with the GPUs."""
+    from launcher.local import visible_gpus
+
+    for before in (None, "0,1"):
+        if before is None:
+            monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+        else:
+            monkeypatch.setenv("CUDA_VISIBLE_DEVICES", before)
+        with visible_gpus(""):
+            assert os.environ["CUDA_VISIBLE_DEVICES"] == ""
+        assert os.environ.get("CUDA_VISIBLE_DEVICES") == before
+        with visible_gpus(None):  # a CUDA plan leaves it as the user set it
+            assert os.environ.get("CUDA_VISIBLE_DEVICES") == before
