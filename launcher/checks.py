@@ -68,7 +68,6 @@ def check_job_inputs(config: dict[str, Any]) -> None:
                               f"set data.text_fields / data.label_field to its columns")
 
 
-
 def _check_max_length(max_length: Any, pretrained: Any) -> None:
     """Truncation length: > 0 (0 would silently train untruncated), and within the model's positions."""
     if max_length is None:

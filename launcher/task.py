@@ -24,7 +24,8 @@ class Task(Protocol):
     def collate(self, samples: list[Any]) -> dict[str, torch.Tensor]: ...
 
     def count_items(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        """How many items loss_sum sums over in this batch (a 0-dim tensor)."""
+        """How many items loss_sum sums over in this batch (a 0-dim tensor). Called on the CPU batch, in
+        the data loader, so the step never asks the GPU for it."""
 
     def loss_sum(self, model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """The sum of per-item losses of this batch."""
