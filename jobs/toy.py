@@ -4,6 +4,7 @@ Exercised by: `python -m launcher +exp=toy` (2 CPU ranks, a few seconds).
 """
 from __future__ import annotations
 
+import os
 import time
 
 import torch
@@ -26,8 +27,15 @@ class ToyRegression:
     eval_sum_keys = ("loss_sum", "count")
 
     def __init__(self, n_samples: int = 1024, n_eval: int = 256, in_features: int = 8, out_features: int = 2,
-                 noise: float = 0.05, seed: int = 1234, dtype: str = "float32", sleep_s: float = 0.0):
-        self.sleep_s = sleep_s  # per loss computation: lets tests signal or kill a run mid-training
+                 noise: float = 0.05, seed: int = 1234, dtype: str = "float32", sleep_s: float = 0.0,
+                 sleep_rank: int | None = None, stall_rank: int = -1, stall_at_call: int = 0, stall_s: float = 0.0):
+        rank = int(os.environ.get("RANK", 0))
+        # per loss computation, on every rank or on sleep_rank only: lets tests signal or kill a run
+        # mid-training, or make one rank a straggler
+        self.sleep_s = sleep_s if sleep_rank in (None, rank) else 0.0
+        # One rank stalls once, in its stall_at_call-th loss computation: lets tests make a rank hang
+        self.stall_s = stall_s if rank == stall_rank else 0.0
+        self.stall_at_call, self.calls = stall_at_call, 0
         generator = torch.Generator().manual_seed(seed)
         dt = getattr(torch, dtype)
         a = torch.randn(in_features, 16, generator=generator, dtype=dt)
@@ -47,6 +55,9 @@ class ToyRegression:
     def loss_sum(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         if self.sleep_s:
             time.sleep(self.sleep_s)
+        self.calls += 1
+        if self.stall_s and self.calls == self.stall_at_call:
+            time.sleep(self.stall_s)
         return ((model(batch["x"]) - batch["y"]) ** 2).mean(dim=1).sum()
 
     def eval_sums(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

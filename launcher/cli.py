@@ -8,17 +8,16 @@ from __future__ import annotations
 import json
 import platform
 import shutil
-import subprocess
 import sys
 from dataclasses import asdict
 from pathlib import Path
 
 import hydra
-import torch
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from launcher.checks import check_job_inputs
+from launcher.environment import environment_record
 from launcher.errors import release_stderr
 from launcher.local import run_local, torchrun_args
 from launcher.plan import ConfigError, Plan, make_plan, resolve, write_config
@@ -31,19 +30,9 @@ CONF_DIR = Path(__file__).resolve().parent.parent / "conf"  # the repo's conf/, 
 HYDRA_FILES = {".hydra", "launcher.log"}  # what Hydra puts into a run dir before our code runs
 
 
-def git_revision() -> str | None:
-    try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).parent, capture_output=True,
-                             text=True, timeout=5)
-    except OSError:
-        return None
-    return out.stdout.strip() or None
-
-
 def write_launch_record(run_dir: Path, plan: Plan) -> None:
-    record = {"command": sys.argv, "overrides": list(HydraConfig.get().overrides.task),
-              "git_revision": git_revision(), "host": platform.node(), "plan": asdict(plan),
-              "torch": torch.__version__, "cuda": torch.version.cuda}
+    record = {"command": sys.argv, "overrides": list(HydraConfig.get().overrides.task), "host": platform.node(),
+              "plan": asdict(plan), **environment_record(run_dir)}
     (run_dir / "launch.json").write_text(json.dumps(record, indent=2) + "\n")
 
 

@@ -15,6 +15,7 @@ from types import FrameType
 from typing import Iterator
 
 import torch
+import torch.distributed.distributed_c10d
 from torch.distributed import run as torchrun
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -35,6 +36,10 @@ TORCHRUN_FIXED_SHUTDOWN_S = 30
 DDP_NO_FORWARD_BUFFER_SYNC = ({"forward_sync_buffers": False}
                               if "forward_sync_buffers" in inspect.signature(DDP.__init__).parameters
                               else {"broadcast_buffers": False})
+
+# Changing a process group's timeout once it exists (a private helper, in 2.6 through 2.14): start-up gets
+# dist.startup_timeout_s, training dist.timeout_s. Without it, dist.timeout_s holds from the start.
+SET_PG_TIMEOUT = getattr(torch.distributed.distributed_c10d, "_set_pg_timeout", None)
 
 
 def torchrun_signal_args(signals: list[signal.Signals]) -> list[str]:

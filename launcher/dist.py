@@ -14,6 +14,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from launcher.compat import SET_PG_TIMEOUT
+
 
 @dataclass(frozen=True)
 class DistEnv:
@@ -75,6 +77,17 @@ def shutdown() -> None:
     """
     gc.collect()  # DDP's hooks form reference cycles: collect them while Python is fully alive
     dist.destroy_process_group()
+
+
+def startup_timeout_s(startup_s: float, training_s: float) -> float:
+    """The process group's timeout until the first step is done (see training_timeout)."""
+    return startup_s if SET_PG_TIMEOUT else training_s
+
+
+def training_timeout(timeout_s: float) -> None:
+    """Start-up is over: from now on a collective that waits longer than timeout_s fails (every rank)."""
+    if SET_PG_TIMEOUT:
+        SET_PG_TIMEOUT(timedelta(seconds=timeout_s))
 
 
 def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:

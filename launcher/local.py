@@ -7,6 +7,7 @@ on 29500. The agent relays SIGTERM and the preemption signal to every worker and
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 from contextlib import contextmanager
 from pathlib import Path
@@ -20,6 +21,9 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from launcher.compat import fallback_notes, relay_signals, torchrun_shutdown_args, torchrun_signal_args
 from launcher.plan import Plan
 from launcher.preempt import PREEMPTED_FILE, REQUEUE_EXIT_CODE, preemption_signals, read_preempted
+from launcher.watchdog import HANG_DIR, hang_summary
+
+COMM_TRACES_DIR = "comm_traces"  # NCCL flight recorder dumps, one file per rank, when a collective times out
 
 
 def torchrun_args(config_path: Path, plan: Plan, launcher: DictConfig, rendezvous: list[str]) -> list[str]:
@@ -35,31 +39,48 @@ def run_local(config_path: Path, plan: Plan, launcher: DictConfig) -> int:
     return run_agent(config_path, plan, launcher, ["--standalone"])
 
 
-@contextmanager
-def visible_gpus(devices: str | None) -> Iterator[None]:
-    """CUDA_VISIBLE_DEVICES for the workers the agent starts (they copy the environment); None: unchanged.
+def worker_env(plan: Plan, run_dir: Path) -> dict[str, str]:
+    """What the agent's workers get on top of this process's environment (a user's own setting wins).
 
-    A CPU plan's workers get "": they never see, or initialise, a GPU. Put back afterwards, so the next run
-    of a local -m sweep (the same process) plans with the GPUs again."""
-    before = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if devices is not None:
-        os.environ["CUDA_VISIBLE_DEVICES"] = devices
+    A CPU plan's workers get CUDA_VISIBLE_DEVICES="": they never see, or initialise, a GPU. A CUDA plan's
+    workers keep NCCL's flight recorder on (the last collectives of every rank) and dump it into
+    <run_dir>/comm_traces/ when a collective times out; older torch reads the TORCH_NCCL_ spellings.
+    """
+    if plan.device_type == "cpu":
+        return {"CUDA_VISIBLE_DEVICES": ""}
+    wanted = {("TORCH_NCCL_DUMP_ON_TIMEOUT",): "1",
+              ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE"): "2000",
+              ("TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE"): str(run_dir / COMM_TRACES_DIR / "rank_")}
+    return {name: value for names, value in wanted.items() if not set(names) & set(os.environ) for name in names}
+
+
+@contextmanager
+def environment(updates: dict[str, str]) -> Iterator[None]:
+    """`updates` in os.environ while the agent starts its workers (they copy it); put back afterwards, so
+    the next point of a local -m sweep (the same process) plans with the user's environment again."""
+    before = {name: os.environ.get(name) for name in updates}
+    os.environ.update(updates)
     try:
         yield
     finally:
-        if before is None:
-            os.environ.pop("CUDA_VISIBLE_DEVICES", None)
-        else:
-            os.environ["CUDA_VISIBLE_DEVICES"] = before
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def run_agent(config_path: Path, plan: Plan, launcher: DictConfig, rendezvous: list[str]) -> int:
     """Run torchrun's agent for this node's workers in this process and wait; returns the node's exit code."""
     run_dir, signals = config_path.parent, preemption_signals(launcher.signal)
+    shutil.rmtree(run_dir / HANG_DIR, ignore_errors=True)  # reports of an earlier launch say nothing now
+    env = worker_env(plan, run_dir)
+    if plan.device_type == "cuda":  # where the flight recorder dumps (torch does not make the folder)
+        (run_dir / COMM_TRACES_DIR).mkdir(exist_ok=True)
     for note in fallback_notes(signals, launcher.shutdown_timeout_s):
         print(note, file=sys.stderr, flush=True)
     try:
-        with relay_signals(signals), visible_gpus("" if plan.device_type == "cpu" else None):
+        with relay_signals(signals), environment(env):
             torchrun.run(torchrun.parse_args(torchrun_args(config_path, plan, launcher, rendezvous)))
     except SignalException as err:  # the agent relayed it and waited for the workers' checkpoint
         code = 128 + int(err.sigval)
@@ -71,7 +92,9 @@ def run_agent(config_path: Path, plan: Plan, launcher: DictConfig, rendezvous: l
             if isinstance(message, dict):
                 message = message.get("message", "")
             reason = str(message).strip().splitlines()[-1] if message else f"exit code {failure.exitcode}"
-            print(f"error: rank {rank} failed: {reason} (run dir {run_dir})", file=sys.stderr)
+            hung = hang_summary(run_dir)
+            print(f"error: rank {rank} failed: {reason} (run dir {run_dir}){'; ' + hung if hung else ''}",
+                  file=sys.stderr)
             return code
     else:
         code = 0

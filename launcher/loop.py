@@ -16,14 +16,16 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from launcher import checkpoint
 from launcher.data import DataPlan, StepWindows, Window, eval_batches, window_loader
-from launcher.dist import DistEnv, all_gather_objects, all_reduce_sum
+from launcher.dist import DistEnv, all_gather_objects, all_reduce_sum, training_timeout
 from launcher.ledger import Progress, StepLedger
 from launcher.meter import Meter, peak_flops, peak_memory_mb, training_flops_per_item
 from launcher.metrics import RunLog
 from launcher.precision import Precision
 from launcher.preempt import StopFlag, ignore_in_data_workers
+from launcher.profile import StepProfiler
 from launcher.step import train_step
 from launcher.task import Task, to_device
+from launcher.watchdog import Watchdog
 
 
 @dataclass
@@ -44,6 +46,7 @@ class Run:
     micro_batch_size: int
     max_steps: int
     max_grad_norm: float | None
+    timeout_s: float  # collectives once the first step is done (dist.timeout_s)
     log_every: int
     eval_every: int
     ckpt_every: int
@@ -55,6 +58,8 @@ class Run:
     prefetch_factor: int
     log: RunLog
     config_hash: str
+    watchdog: Watchdog  # writes a hang report when the loop stands still (launcher/watchdog.py)
+    profiler: StepProfiler  # records train.profile's steps (launcher/profile.py)
 
 
 @torch.no_grad()
@@ -101,15 +106,18 @@ def train(run: Run, progress: Progress, stop: StopFlag) -> dict[str, Any]:
                            prefetch_factor=run.prefetch_factor,
                            worker_init_fn=partial(ignore_in_data_workers, signals=stop.signals))
     meter = Meter(run.env.device, training_flops_per_item(run.module),
-                  peak_flops(run.env.device, run.precision.name), run.env.world_size)
+                  peak_flops(run.env.device, run.precision.name), run.env.rank, run.env.world_size)
     ledger = step_ledger(run, progress)
     started, loss, preempted, first_step_at = time.perf_counter(), float("nan"), False, None
     for window, data_wait_s in timed(loader):
-        result = train_step(run.model, run.task, window, run.optimizer, ledger, run.scaler, run.precision,
-                            run.max_grad_norm, run.env.device, stop_requested=stop.requested)
+        run.watchdog.at("train", progress.step + 1)
+        with run.profiler.step(progress.step + 1):
+            result = train_step(run.model, run.task, window, run.optimizer, ledger, run.scaler, run.precision,
+                                run.max_grad_norm, run.env.device, meter.timer, stop_requested=stop.requested)
         if first_step_at is None:  # start-up cost as users feel it: until the GPU has done the first step
             ledger.settle()
             first_step_at = time.time()
+            training_timeout(run.timeout_s)  # start-up is over: collectives fail after dist.timeout_s
         progress.step += 1
         step = progress.step
         progress.samples += window.step_samples
@@ -124,6 +132,7 @@ def train(run: Run, progress: Progress, stop: StopFlag) -> dict[str, Any]:
         if log_now or eval_now or ckpt_now or ledger.stop:  # these wait for the GPU anyway: read this step's
             ledger.settle()                                 # flags now, so what they record is exact
         if log_now:  # every rank: the meter sums tokens
+            run.watchdog.at("log", step)
             record = {"step": step, "epoch": run.data_plan.epoch_of(step - 1), **meter.read(),
                       "lr": run.scheduler.get_last_lr()[0], "grad_norm": result.grad_norm.item(),
                       "skipped_steps": progress.skipped_steps}
@@ -140,6 +149,7 @@ def train(run: Run, progress: Progress, stop: StopFlag) -> dict[str, Any]:
             preempted = True
             break
         if eval_now:
+            run.watchdog.at("eval", step)
             run.log.metrics({"step": step, "eval": evaluate(run)}, run.max_steps)
         if ckpt_now:
             save_checkpoint(run, progress)
@@ -155,13 +165,17 @@ def train(run: Run, progress: Progress, stop: StopFlag) -> dict[str, Any]:
                "first_step_unix_time": first_step_at}
     if preempted:
         return summary
+    run.watchdog.at("final eval", progress.step)
     summary["eval"] = evaluate(run)
     if summary["eval"]:
         run.log.metrics({"step": progress.step, "eval": summary["eval"]}, run.max_steps)
     if progress.step > resumed_from:  # else the final checkpoint is already there
         save_checkpoint(run, progress)
     summary["checkpoint"] = str(run.run_dir / "checkpoints" / str(progress.step))
+    if run.profiler.dir:
+        summary["profile"] = str(run.profiler.dir)
     run.log.summary(summary)
+    run.watchdog.at("done", progress.step)  # a report of a slow final phase is taken back
     return summary
 
 
@@ -172,6 +186,7 @@ def step_ledger(run: Run, progress: Progress) -> StepLedger:
 
 def save_checkpoint(run: Run, progress: Progress) -> None:
     """All ranks enter (RNG states are gathered); rank 0 writes checkpoints/<step>/."""
+    run.watchdog.at("checkpoint", progress.step)
     checkpoint.save(run.run_dir, progress.step, run.module, train_state(run, progress), run.env.is_main,
                     run.keep_checkpoints, run.env.device)
 

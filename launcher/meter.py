@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from launcher.dist import all_reduce_sum
+from launcher.straggler import ComputeTimer
 
 # Dense peak FLOP/s per GPU for bf16/fp16 tensor cores (fp32 runs use TF32, about half).
 PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10": 125e12, "L4": 121e12,
@@ -40,9 +41,10 @@ def peak_memory_mb(device: torch.device) -> float:
 
 
 class Meter:
-    def __init__(self, device: torch.device, flops_per_item: float, peak: float | None, world_size: int):
+    def __init__(self, device: torch.device, flops_per_item: float, peak: float | None, rank: int, world_size: int):
         self.device, self.flops_per_item, self.peak, self.world_size = device, flops_per_item, peak, world_size
         self.loss = torch.zeros((), device=device)
+        self.timer = ComputeTimer(device, rank, world_size)  # the step starts and stops it
         self.reset()
 
     def reset(self) -> None:
@@ -74,5 +76,7 @@ class Meter:
             self.flops_per_item * items_per_sec / (self.peak * self.world_size)
         record["data_wait_frac"] = self.data_wait_s / elapsed
         record["peak_mem_mb"] = peak_memory_mb(self.device)
+        if self.world_size > 1:
+            record.update(self.timer.read())
         self.reset()
         return record

@@ -16,14 +16,16 @@ from typing import Any
 from launcher.preempt import PREEMPTED_FILE
 
 FALLING_SCALE_LOGS = 3  # an fp16 loss scale that fell at this many logged steps in a row is worth a warning
+STRAGGLER_LOGS = 3  # a rank slower than train.straggler_ratio x the median at this many logs in a row: warn
 
 
 class RunLog:
-    def __init__(self, run_dir: Path, enabled: bool):
-        self.run_dir, self.enabled = run_dir, enabled
+    def __init__(self, run_dir: Path, enabled: bool, straggler_ratio: float = 1.2):
+        self.run_dir, self.enabled, self.straggler_ratio = run_dir, enabled, straggler_ratio
         self.start = time.time()
         self._metrics = self._samples = self._tb = self._bar = None
         self._scales: list[float] = []
+        self._slowest: list[int | None] = []  # per log: the rank over the ratio, or None
 
     def start_at(self, step: int, total_steps: int) -> None:
         """Keep only the records up to `step` (later ones belong to work a restart threw away); open files."""
@@ -84,6 +86,20 @@ class RunLog:
             self.info(f"step {record['step']}/{total_steps} | {shown}")
         if "loss_scale" in record:
             self._watch_scale(record)
+        if "step_time_max_over_median" in record:
+            self._watch_stragglers(record)
+
+    def _watch_stragglers(self, record: dict[str, Any]) -> None:
+        """One rank that stays slower than the others (a throttled GPU, a busy host) slows every rank."""
+        over = record["step_time_max_over_median"] > self.straggler_ratio
+        self._slowest.append(record["slowest_rank"] if over else None)
+        recent = self._slowest[-STRAGGLER_LOGS:]
+        if len(recent) == STRAGGLER_LOGS and recent[0] is not None and len(set(recent)) == 1:
+            self.warn(f"warning: rank {recent[0]} is a straggler: its compute time per step was "
+                      f"{record['step_time_max_over_median']:.2f}x the median rank's at the last {STRAGGLER_LOGS} "
+                      f"logs (train.straggler_ratio={self.straggler_ratio}), and every rank waits for it; look at its "
+                      f"GPU (clocks, temperature) or host (other processes, data loading)")
+            self._slowest.clear()  # once per streak
 
     def _watch_scale(self, record: dict[str, Any]) -> None:
         """fp16: a loss scale that keeps falling means the gradients keep overflowing."""
@@ -115,11 +131,15 @@ class RunLog:
 
         table = Table(title=f"run dir {self.run_dir}", show_header=False)
         for key in ("steps", "wall_time_s", "samples_per_sec", "final_loss", "eval", "skipped_steps", "restarts",
-                    "world_size", "grad_accum_steps", "precision", "peak_mem_mb", "checkpoint"):
-            table.add_row(key, _fmt(record.get(key)))
+                    "world_size", "grad_accum_steps", "precision", "peak_mem_mb", "checkpoint", "profile"):
+            if key in record:
+                table.add_row(key, _fmt(record[key]))
         Console(file=sys.stdout, width=120).print(table)
         print(f"done: {record['steps']} steps in {record['wall_time_s']:.1f}s, final loss "
               f"{_fmt(record['final_loss'])}; run dir {self.run_dir}", flush=True)
+        if "profile" in record:
+            print(f"profile: open the .pt.trace.json files of {record['profile']} in ui.perfetto.dev, or run "
+                  f"tensorboard --logdir {record['profile']}", flush=True)
 
     def close(self) -> None:
         if self._bar:

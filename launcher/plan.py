@@ -91,7 +91,7 @@ def _shape(cfg: DictConfig) -> tuple[int, int, str]:
 def make_plan(cfg: DictConfig) -> Plan:
     """Check the config against where it will run and derive the plan, or raise ConfigError."""
     _require_positive(cfg, "train.global_batch_size", "train.micro_batch_size", "train.max_steps",
-                      "train.log_every", "launcher.nproc_per_node", "dist.timeout_s",
+                      "train.log_every", "launcher.nproc_per_node", "dist.timeout_s", "dist.hang_timeout_s", "dist.startup_timeout_s", "train.straggler_ratio",
                       "optimizer.lr", "train.max_grad_norm")
     _require_positive(cfg, "train.keep_checkpoints", "train.max_bad_steps", "launcher.shutdown_timeout_s",
                       "train.prefetch_factor")
@@ -113,9 +113,20 @@ def make_plan(cfg: DictConfig) -> Plan:
     if cfg.dist.comm_hook == "bf16" and device_type == "cpu":
         raise ConfigError("dist.comm_hook=bf16 needs GPUs with NCCL; use dist.comm_hook=fp16 (or null) here")
     world_size = nnodes * nproc
+    _check_profile(cfg.train.profile, list(cfg.train.profile_ranks), cfg.train.max_steps, world_size)
     accum = grad_accum_steps(cfg.train.global_batch_size, cfg.train.micro_batch_size, world_size)
     return Plan(nnodes=nnodes, nproc_per_node=nproc, world_size=world_size,
                 grad_accum_steps=accum, device_type=device_type)
+
+
+def _check_profile(steps: Any, ranks: list[int], max_steps: int, world_size: int) -> None:
+    if steps is None:
+        return
+    if len(steps) != 2 or not 1 <= steps[0] <= steps[1] <= max_steps:
+        raise ConfigError(f"train.profile={list(steps)} is not [first, last] steps with 1 <= first <= last <= "
+                          f"train.max_steps={max_steps}; e.g. train.profile=[10,12]")
+    if not ranks or any(not 0 <= r < world_size for r in ranks):
+        raise ConfigError(f"train.profile_ranks={ranks} must name ranks of this run (0..{world_size - 1})")
 
 
 def resolve(cfg: DictConfig, plan: Plan) -> dict[str, Any]:

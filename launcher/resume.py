@@ -18,7 +18,7 @@ from launcher.plan import ConfigError
 NOT_TRAJECTORY = {"plan", "launcher", "dist", "resume", "name"}
 NOT_TRAJECTORY_TRAIN = {"log_every", "eval_every", "ckpt_every", "keep_checkpoints", "num_workers",
                         "persistent_workers", "prefetch_factor", "compile", "max_bad_steps", "log_samples",
-                        "micro_batch_size"}
+                        "micro_batch_size", "profile", "profile_ranks", "straggler_ratio"}
 
 
 def trajectory_config(config: dict[str, Any]) -> dict[str, Any]:

@@ -59,6 +59,9 @@ class TrainConfig:
     compile: bool = False  # torch.compile the model (DDP wraps the compiled module: gradients still sync)
     tf32: bool = True  # TF32 matmuls on Ampere+ GPUs
     log_samples: bool = False  # write every step's sample ids to samples.jsonl (for audits and tests)
+    straggler_ratio: float = 1.2  # warn when one rank's compute stays this much over the median's (3 logs)
+    profile: Optional[List[int]] = None  # [first, last]: torch.profiler trace of those steps in <run_dir>/profile/
+    profile_ranks: List[int] = field(default_factory=lambda: [0])  # the ranks that record train.profile
 
 
 @dataclass
@@ -107,7 +110,9 @@ class LauncherConfig:
 @dataclass
 class DistConfig:
     backend: str = "auto"  # auto: nccl with CUDA, else gloo
-    timeout_s: float = 600.0  # a collective that waits longer fails instead of hanging
+    timeout_s: float = 600.0  # once training runs, a collective that waits longer fails instead of hanging
+    startup_timeout_s: float = 1800.0  # until the first step is done: rendezvous, model build, resume, compile
+    hang_timeout_s: float = 300.0  # a rank whose loop stands still this long writes <run_dir>/hang/rank<N>.txt
     # null: torch's default, 25 MB buckets after a 1 MB first one, so the all-reduce of the last layers'
     # gradients starts while backward goes on (an explicit 25 makes the first bucket 25 MB too)
     bucket_cap_mb: Optional[int] = None

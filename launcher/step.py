@@ -17,6 +17,7 @@ from launcher.data import Window
 from launcher.dist import all_reduce_sum
 from launcher.ledger import StepLedger
 from launcher.precision import Precision
+from launcher.straggler import ComputeTimer
 from launcher.task import Task, to_device
 
 
@@ -28,7 +29,7 @@ class StepResult:
 
 def train_step(model: DDP, task: Task, window: Window, optimizer: torch.optim.Optimizer, ledger: StepLedger,
                scaler: torch.amp.GradScaler, precision: Precision, max_grad_norm: float | None,
-               device: torch.device, stop_requested: bool = False) -> StepResult:
+               device: torch.device, timer: ComputeTimer, stop_requested: bool = False) -> StepResult:
     batches = [to_device(b, device) for b in window.micro_batches]
     weight = 0.0 if window.padding else 1.0
     world_size = torch.distributed.get_world_size()
@@ -37,12 +38,15 @@ def train_step(model: DDP, task: Task, window: Window, optimizer: torch.optim.Op
     # token counts then give the gradient of one big batch. One small all-reduce per step.
     n_items = all_reduce_sum(torch.full((), float(window.n_items), device=device)).clamp(min=1)
     loss_sum = torch.zeros((), device=device)
+    timer.start()  # this rank's compute before it waits for the others (straggler metric)
     for i, batch in enumerate(batches):
         is_last = i == len(batches) - 1
         # Forward AND backward outside the sync: DDP all-reduces only on the last micro-batch's backward.
         with nullcontext() if is_last else model.no_sync():
             with precision.autocast():
                 batch_loss = task.loss_sum(model, batch) * weight
+            if is_last:
+                timer.stop()  # the last backward waits for every rank's gradients
             # DDP averages over ranks; x world_size / n_items turns that into the mean over all items
             scaler.scale(batch_loss * (world_size / n_items)).backward()
         loss_sum += batch_loss.detach().float()

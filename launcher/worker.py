@@ -29,7 +29,9 @@ from launcher.plan import grad_accum_steps
 from launcher.precision import Precision
 from launcher.preempt import REQUEUE_EXIT_CODE, StopFlag, preemption_signals
 from launcher.resume import config_hash
+from launcher.profile import StepProfiler
 from launcher.schedule import build_scheduler
+from launcher.watchdog import Watchdog
 
 
 COMM_HOOKS = {"fp16": default_hooks.fp16_compress_hook, "bf16": default_hooks.bf16_compress_hook}
@@ -83,12 +85,14 @@ def build(cfg: DictConfig, run_dir: Path, env: launcher_dist.DistEnv) -> Run:
                grad_accum_steps=grad_accum_steps(train_cfg.global_batch_size, train_cfg.micro_batch_size,
                                                  env.world_size),
                micro_batch_size=train_cfg.micro_batch_size, max_steps=train_cfg.max_steps,
-               max_grad_norm=train_cfg.max_grad_norm, log_every=train_cfg.log_every,
+               max_grad_norm=train_cfg.max_grad_norm, timeout_s=cfg.dist.timeout_s, log_every=train_cfg.log_every,
                eval_every=train_cfg.eval_every, ckpt_every=train_cfg.ckpt_every,
                keep_checkpoints=train_cfg.keep_checkpoints, max_bad_steps=train_cfg.max_bad_steps,
                log_samples=train_cfg.log_samples, num_workers=train_cfg.num_workers,
                persistent_workers=train_cfg.persistent_workers, prefetch_factor=train_cfg.prefetch_factor,
-               log=RunLog(run_dir, enabled=env.is_main), config_hash=config_hash(OmegaConf.to_container(cfg)))
+               log=RunLog(run_dir, enabled=env.is_main, straggler_ratio=train_cfg.straggler_ratio), config_hash=config_hash(OmegaConf.to_container(cfg)),
+               watchdog=Watchdog(run_dir, env.rank, cfg.dist.hang_timeout_s),
+               profiler=StepProfiler(run_dir, env.rank, train_cfg.profile, list(train_cfg.profile_ranks), env.device))
 
 
 def restore(run: Run, state: dict[str, Any] | None, seed: int, allow_config_change: bool) -> Progress:
@@ -116,7 +120,8 @@ def main(config_path: str) -> None:
     path = Path(config_path).resolve()
     cfg = OmegaConf.load(path)
     stop = StopFlag(preemption_signals(cfg.launcher.signal))  # first: a signal during start-up is kept
-    env = launcher_dist.init(cfg.plan.device_type, cfg.dist.backend, cfg.dist.timeout_s)
+    env = launcher_dist.init(cfg.plan.device_type, cfg.dist.backend,
+                             launcher_dist.startup_timeout_s(cfg.dist.startup_timeout_s, cfg.dist.timeout_s))
     try:
         summary = build_and_train(cfg, path, env, stop)  # the run and its DDP model end with this call
     finally:

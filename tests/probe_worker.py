@@ -21,6 +21,7 @@ from launcher.ledger import Progress
 from launcher.loop import evaluate, step_ledger
 from launcher.meter import Meter
 from launcher.step import train_step
+from launcher.straggler import ComputeTimer
 from launcher.worker import build
 
 
@@ -54,12 +55,12 @@ def observe(cfg: DictConfig, env: launcher_dist.DistEnv, config_path: str, mode:
         ledger = step_ledger(run, Progress())
         windows = StepWindows(run.task, run.data_plan, env.rank, env.world_size, run.grad_accum_steps)
         loader = window_loader(windows, range(run.max_steps), num_workers=0, pin_memory=True)  # as the loop's
-        meter = Meter(env.device, 1.0, None, env.world_size)
+        meter = Meter(env.device, 1.0, None, env.rank, env.world_size)
         for step, window in enumerate(loader):
             if step == 3:  # after the warm-up: first allocations, DDP's bucket rebuild, optimizer state
                 torch.cuda.set_sync_debug_mode("error")
             result = train_step(run.model, run.task, window, run.optimizer, ledger, run.scaler, run.precision,
-                                run.max_grad_norm, env.device)
+                                run.max_grad_norm, env.device, meter.timer)
             meter.add(window.step_samples, result.loss, window.n_tokens, 0.0)
         try:  # the control: a read of a GPU value does raise here
             result.loss.item()
@@ -82,7 +83,7 @@ def observe(cfg: DictConfig, env: launcher_dist.DistEnv, config_path: str, mode:
         for step in range(2):  # DDP rebuilds its buckets in grad-ready order after the first step
             calls["n"] = 0
             train_step(run.model, run.task, windows[step], run.optimizer, ledger, run.scaler, run.precision,
-                       run.max_grad_norm, env.device)
+                       run.max_grad_norm, env.device, ComputeTimer(env.device, env.rank, env.world_size))
         ddp = run.model._get_ddp_logging_data()
         out["knobs"] = {"bucket_cap_bytes": ddp["bucket_cap_bytes"], "comm_hook": comm_hook,
                         "buckets": calls["n"],  # all-reduces in the second step
@@ -121,6 +122,7 @@ def observe(cfg: DictConfig, env: launcher_dist.DistEnv, config_path: str, mode:
     windows = StepWindows(run.task, run.data_plan, env.rank, env.world_size, run.grad_accum_steps)
     progress = Progress()
     ledger = step_ledger(run, progress)
+    timer = ComputeTimer(env.device, env.rank, env.world_size)
     for step in range(run.max_steps):
         micro.update(index=-1, step=step, snapshots=[], items=[])
         hook_state.update(calls=0, micro_at_call=[])
@@ -129,7 +131,7 @@ def observe(cfg: DictConfig, env: launcher_dist.DistEnv, config_path: str, mode:
         window = windows[step]
         skipped_before = progress.skipped_steps
         result = train_step(run.model, run.task, window, run.optimizer, ledger, run.scaler, run.precision,
-                            run.max_grad_norm, env.device)
+                            run.max_grad_norm, env.device, timer)
         ledger.settle()  # what the loop does at its log steps: the step's skip and scheduler step are read
         out["steps"].append({
             "micro_batches": len(window.micro_batches), "sample_ids": window.sample_ids,

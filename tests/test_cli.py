@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -10,7 +11,7 @@ import pytest
 from omegaconf import OmegaConf
 from safetensors.torch import load_file
 
-from conftest import on_the_cpu_plan, read_metrics, run_cli, subprocess_env
+from conftest import REPO, on_the_cpu_plan, read_metrics, run_cli, subprocess_env
 from launcher.resume import config_hash
 
 pytestmark = pytest.mark.slow
@@ -108,3 +109,33 @@ def test_cfg_job_prints_the_composed_config(tmp_path: Path) -> None:
     out = run_cli("+exp=toy", "--cfg", "job", cwd=tmp_path)
     assert out.returncode == 0
     assert OmegaConf.create(out.stdout).train.global_batch_size == 32
+
+
+def test_launch_record_has_what_a_bug_report_needs_and_no_secret(tmp_path: Path) -> None:
+    """launch.json: packages, the code's git state (a changed tree is marked dirty, its diff in git.diff),
+    torch/CUDA versions, the NCCL_/TORCH_ variables; a token, a password, credentials in a URL are not in it."""
+    code = tmp_path / "code"
+    for part in ("launcher", "jobs", "conf"):
+        shutil.copytree(REPO / part, code / part, ignore=shutil.ignore_patterns("__pycache__"))
+    git = lambda *args: subprocess.run(["git", *args], cwd=code, check=True, capture_output=True)  # noqa: E731
+    git("init", "-q")
+    git("add", ".")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "code")
+    with open(code / "jobs" / "toy.py", "a") as f:
+        f.write("# a local change\n")
+    secrets = {"TORCH_HF_TOKEN": "hf_abc123", "NCCL_IB_PASSWORD": "pw-456",
+               "TORCH_STORE_URL": "https://alice:s3cr3t-789@example.org/store"}
+    env = subprocess_env(PYTHONPATH=str(code), NCCL_DEBUG="INFO", **secrets)
+    run_dir = tmp_path / "run"
+    out = subprocess.run([sys.executable, "-m", "launcher", "+exp=toy", "launcher.device=cpu", "launcher.dry_run=true",
+                          f"hydra.run.dir={run_dir}"], cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-3000:]
+    text = (run_dir / "launch.json").read_text()
+    launch = json.loads(text)
+    assert {"torch", "hydra-core", "omegaconf"} <= set(launch["packages"]) and launch["torch"].startswith("2.")
+    assert launch["git"]["dirty"] is True and len(launch["git"]["revision"]) == 40 and launch["git"]["diff"] == "git.diff"
+    assert "+# a local change" in (run_dir / "git.diff").read_text()
+    assert launch["env"]["NCCL_DEBUG"] == "INFO" and launch["env"]["TORCH_HF_TOKEN"] == "<redacted>"
+    assert launch["env"]["TORCH_STORE_URL"] == "https://<redacted>@example.org/store"
+    for value in ("hf_abc123", "pw-456", "s3cr3t-789"):
+        assert value not in text

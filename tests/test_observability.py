@@ -58,3 +58,31 @@ def test_fp16_scale_that_keeps_falling_is_warned_about(tmp_path: Path) -> None:
     scales = [m["loss_scale"] for m in read_metrics(tmp_path / "run") if "loss" in m]
     assert all(b == a / 2 for a, b in zip(scales, scales[1:]))
     assert "warning: the fp16 loss scale keeps falling" in out.stderr and "try precision=bf16" in out.stderr
+
+
+def test_profile_records_the_chosen_steps_on_the_chosen_ranks(tmp_path: Path) -> None:
+    """train.profile=[2,4]: a Chrome trace per profiled rank, holding steps 2-4 and no other."""
+    run_dir = tmp_path / "run"
+    out = run_cli("+exp=toy", "train.max_steps=8", "train.profile=[2,4]", "train.profile_ranks=[0,1]",
+                  f"hydra.run.dir={run_dir}", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    traces = sorted((run_dir / "profile").glob("*.pt.trace.json"))
+    assert [t.name for t in traces] == ["rank0.steps2-4.pt.trace.json", "rank1.steps2-4.pt.trace.json"]
+    names = {event.get("name") for event in json.loads(traces[0].read_text())["traceEvents"]}
+    assert {"step 2", "step 3", "step 4"} <= names and not {"step 1", "step 5"} & names
+    assert any("addmm" in str(name) for name in names)  # the model's own ops are in it
+    assert f"profile: open the .pt.trace.json files of {run_dir / 'profile'}" in out.stdout
+    assert json.loads((run_dir / "summary.json").read_text())["profile"] == str(run_dir / "profile")
+
+
+def test_a_slow_rank_is_named_in_the_metrics_and_warned_about(tmp_path: Path) -> None:
+    """Rank 1 sleeps 20 ms in each loss computation: every rank's step is as slow (they wait for it), but
+    its compute time before the all-reduce is not; with 2 ranks the median is their mean, so about 2x."""
+    run_dir = tmp_path / "run"
+    out = run_cli("+exp=toy", "train.max_steps=16", "train.log_every=2", "data.sleep_s=0.02", "data.sleep_rank=1",
+                  f"hydra.run.dir={run_dir}", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    logged = [m for m in read_metrics(run_dir) if "loss" in m]
+    assert all(m["slowest_rank"] == 1 and m["step_time_max_over_median"] > 1.5 for m in logged), logged
+    warnings = [line for line in out.stderr.splitlines() if "straggler" in line]
+    assert warnings and warnings[0].startswith("warning: rank 1 is a straggler"), out.stderr[-2000:]

@@ -63,18 +63,26 @@ def test_schedules() -> None:
     assert lr_factor(10, "cosine", 0, 10, 0.0) == pytest.approx(0.0)
 
 
-def test_a_cpu_plan_hides_the_gpus_only_from_its_own_workers(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The workers inherit CUDA_VISIBLE_DEVICES=""; the parent gets its own value back, so the next point of
-    a local -m sweep (the same process) still plans with the GPUs."""
-    from launcher.local import visible_gpus
+def test_worker_environment_per_plan_and_put_back(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    """A CPU plan's workers see no GPU; a CUDA plan's keep NCCL's flight recorder, dumping into the run dir,
+    unless the user set it. The parent gets its own environment back, so the next point of a local -m
+    sweep (the same process) still plans with the GPUs."""
+    from launcher.local import environment, worker_env
+    from launcher.plan import Plan
 
+    cpu, cuda = Plan(1, 2, 2, 1, "cpu"), Plan(1, 2, 2, 1, "cuda")
+    monkeypatch.delenv("TORCH_FR_BUFFER_SIZE", raising=False)
+    monkeypatch.delenv("TORCH_FR_DUMP_TEMP_FILE", raising=False)
+    monkeypatch.setenv("TORCH_NCCL_TRACE_BUFFER_SIZE", "50")  # the user's, in the older spelling
+    assert worker_env(cpu, tmp_path) == {"CUDA_VISIBLE_DEVICES": ""}
+    assert worker_env(cuda, tmp_path) == {
+        "TORCH_NCCL_DUMP_ON_TIMEOUT": "1", "TORCH_FR_DUMP_TEMP_FILE": str(tmp_path / "comm_traces" / "rank_"),
+        "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": str(tmp_path / "comm_traces" / "rank_")}
     for before in (None, "0,1"):
         if before is None:
             monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
         else:
             monkeypatch.setenv("CUDA_VISIBLE_DEVICES", before)
-        with visible_gpus(""):
+        with environment(worker_env(cpu, tmp_path)):
             assert os.environ["CUDA_VISIBLE_DEVICES"] == ""
         assert os.environ.get("CUDA_VISIBLE_DEVICES") == before
-        with visible_gpus(None):  # a CUDA plan leaves it as the user set it
-            assert os.environ.get("CUDA_VISIBLE_DEVICES") == before

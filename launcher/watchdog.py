@@ -1,0 +1,110 @@
+"""Hang reports: which rank stopped where, from the run dir alone, without rerunning.
+
+Each worker runs a watchdog thread. When its training loop has not moved on for `dist.hang_timeout_s`,
+it writes <run_dir>/hang/rank<N>.txt: one JSON line (step, phase, the innermost frame of our own code,
+seconds stalled), then every thread's Python stack. A rank that moves on again removes its report (it
+was slow, not hung). When the run then fails, the launcher names the ranks that were not where the
+others were (launcher/local.py). Exercised by: tests/test_hang.py.
+"""
+from __future__ import annotations
+
+import faulthandler
+import json
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+from types import FrameType
+
+HANG_DIR = "hang"
+OWN_CODE = (f"{os.sep}launcher{os.sep}", f"{os.sep}jobs{os.sep}")  # frames worth naming: ours, not torch's
+WAITING = (f"torch{os.sep}distributed{os.sep}", f"torch{os.sep}autograd{os.sep}")
+
+
+def innermost_own_frame(frame: FrameType | None) -> str:
+    """`jobs/toy.py:52 loss_sum`: where in our code (launcher/ or jobs/) a stack is, innermost first."""
+    while frame is not None:
+        path = frame.f_code.co_filename
+        cut = max(path.rfind(part) for part in OWN_CODE)
+        if cut >= 0 and not path.endswith("watchdog.py"):
+            return f"{path[cut + 1:]}:{frame.f_lineno} {frame.f_code.co_name}"
+        frame = frame.f_back
+    return "outside launcher/ and jobs/"
+
+
+def waits_for_peers(frame: FrameType | None) -> bool:
+    """Called from our code into a collective (torch.distributed), or into a backward, where DDP waits
+    for its all-reduce. Only the frames inside our innermost one count (the worker itself runs inside
+    torch.distributed.elastic's error recorder)."""
+    while frame is not None:
+        path = frame.f_code.co_filename
+        if any(part in path for part in OWN_CODE):
+            return False
+        if WAITING[0] in path or (WAITING[1] in path and "backward" in frame.f_code.co_name):
+            return True
+        frame = frame.f_back
+    return False
+
+
+class Watchdog:
+    def __init__(self, run_dir: Path, rank: int, timeout_s: float):
+        self.report = run_dir / HANG_DIR / f"rank{rank}.txt"
+        self.report.unlink(missing_ok=True)  # an earlier attempt's (before a restart or a requeue)
+        self.rank, self.timeout_s = rank, timeout_s
+        self.phase, self.step, self.since, self.reported = "start-up", 0, time.monotonic(), False
+        self.watched = threading.get_ident()  # the thread that trains
+        threading.Thread(target=self._watch, name="launcher-watchdog", daemon=True).start()
+
+    def at(self, phase: str, step: int) -> None:
+        """The loop moved on: `phase` (train, log, eval, checkpoint) of `step` starts now. Costs nothing."""
+        self.phase, self.step, self.since = phase, step, time.monotonic()
+        if self.reported:  # it moved on: slow, not hung
+            self._take_back()
+
+    def _watch(self) -> None:
+        while True:
+            time.sleep(min(1.0, self.timeout_s / 4))
+            since = self.since
+            if not self.reported and time.monotonic() - since >= self.timeout_s:
+                self._write(time.monotonic() - since)
+                self.reported = True
+                if self.since != since:  # it moved on while we wrote: at() may have looked too early
+                    self._take_back()
+
+    def _take_back(self) -> None:
+        self.reported = False
+        self.report.unlink(missing_ok=True)
+
+    def _write(self, stalled_s: float) -> None:
+        frame = sys._current_frames().get(self.watched)
+        header = {"rank": self.rank, "step": self.step, "phase": self.phase, "where": innermost_own_frame(frame),
+                  "waiting": waits_for_peers(frame), "stalled_s": round(stalled_s, 1)}
+        self.report.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.report.with_suffix(".tmp")
+        with open(tmp, "w") as f:
+            f.write(json.dumps(header) + "\n")
+            f.flush()
+            faulthandler.dump_traceback(f, all_threads=True)
+        os.replace(tmp, self.report)
+
+
+def hang_summary(run_dir: Path) -> str | None:
+    """One line for the launcher's error: the ranks that stopped outside a collective (the ones the
+    others waited for), where each was, and where the stacks are."""
+    headers = []
+    for report in sorted((run_dir / HANG_DIR).glob("rank*.txt")):
+        try:
+            headers.append(json.loads(report.read_text().splitlines()[0]))
+        except (OSError, ValueError, IndexError):  # half-written by a rank that was killed meanwhile
+            continue
+    if not headers:
+        return None
+    where = lambda hs: "; ".join(f"rank {h['rank']} at step {h['step']} ({h['phase']}) in {h['where']}"  # noqa: E731
+                                 for h in hs)
+    stuck = [h for h in headers if not h["waiting"]]
+    waiting = [h for h in headers if h["waiting"]]
+    if stuck and waiting:
+        return (f"hung: {where(stuck)}, while rank(s) {[h['rank'] for h in waiting]} waited for it in a "
+                f"collective; stacks in {run_dir / HANG_DIR}")
+    return f"hung: {where(headers)}; stacks in {run_dir / HANG_DIR}"
