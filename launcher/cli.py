@@ -17,7 +17,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from launcher.checks import check_job_inputs
-from launcher.environment import environment_record
+from launcher.environment import environment_record, redact_override
 from launcher.errors import release_stderr
 from launcher.local import run_local, torchrun_args
 from launcher.plan import ConfigError, Plan, make_plan, resolve, write_config
@@ -31,7 +31,8 @@ HYDRA_FILES = {".hydra", "launcher.log"}  # what Hydra puts into a run dir befor
 
 
 def write_launch_record(run_dir: Path, plan: Plan) -> None:
-    record = {"command": sys.argv, "overrides": list(HydraConfig.get().overrides.task), "host": platform.node(),
+    record = {"command": [redact_override(arg) for arg in sys.argv], "host": platform.node(),
+              "overrides": [redact_override(arg) for arg in HydraConfig.get().overrides.task],
               "plan": asdict(plan), **environment_record(run_dir)}
     (run_dir / "launch.json").write_text(json.dumps(record, indent=2) + "\n")
 

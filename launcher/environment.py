@@ -19,20 +19,30 @@ import torch
 
 CODE = Path(__file__).resolve().parent.parent  # the checkout that holds launcher/ and jobs/
 ENV_PREFIXES = ("NCCL_", "TORCH_", "CUDA_", "PYTORCH_", "SLURM_")
-SECRET_NAME = re.compile(r"TOKEN|KEY|PASSWORD|PASSWD|SECRET|CREDENTIAL", re.IGNORECASE)
-URL_CREDENTIALS = re.compile(r"(://)[^/@\s]+@")
+SECRET_NAME = re.compile(r"TOKEN|KEY|PASS|PWD|SECRET|CREDENTIAL|JWT|AUTH|COOKIE", re.IGNORECASE)
+URL_CREDENTIALS = re.compile(r"(://)[^/\s]+@")  # user:password@ in a URL
+URL_QUERY_SECRET = re.compile(r"([?&][^=&\s]*(?:token|sig|key|secret|pass|auth)[^=&\s]*=)[^&\s]+", re.IGNORECASE)
 REDACTED = "<redacted>"
+MAX_DIFF_BYTES = 1 << 20
 
 
 def redact(name: str, value: str) -> str:
+    """The value, unless the name says it is a secret; credentials inside URLs are cut out either way."""
     if SECRET_NAME.search(name):
         return REDACTED
-    return URL_CREDENTIALS.sub(rf"\g<1>{REDACTED}@", value)
+    return URL_QUERY_SECRET.sub(rf"\g<1>{REDACTED}", URL_CREDENTIALS.sub(rf"\g<1>{REDACTED}@", value))
+
+
+def redact_override(override: str) -> str:
+    """`key=value` as on the command line, with a secret value redacted."""
+    key, sep, value = override.partition("=")
+    return f"{key}{sep}{redact(key, value)}" if sep else override
 
 
 def _git(*args: str) -> str | None:
     try:
-        out = subprocess.run(["git", *args], cwd=CODE, capture_output=True, text=True, timeout=10)
+        out = subprocess.run(["git", *args], cwd=CODE, capture_output=True, encoding="utf-8", errors="replace",
+                             timeout=10)
     except (OSError, subprocess.TimeoutExpired):
         return None
     return out.stdout if out.returncode == 0 else None
@@ -43,10 +53,10 @@ def code_state(run_dir: Path) -> dict[str, Any]:
     revision = _git("rev-parse", "HEAD")
     if revision is None:
         return {"revision": None}
-    status = _git("status", "--porcelain", "--untracked-files=no") or ""
-    state: dict[str, Any] = {"revision": revision.strip(), "dirty": bool(status.strip())}
-    if state["dirty"]:
-        (run_dir / "git.diff").write_text(_git("diff", "HEAD") or "")
+    status = _git("status", "--porcelain", "--untracked-files=no")
+    state: dict[str, Any] = {"revision": revision.strip(), "dirty": None if status is None else bool(status.strip())}
+    if state["dirty"]:  # the diff of tracked files, as they are: the code that ran (cut at 1 MB)
+        (run_dir / "git.diff").write_text((_git("diff", "HEAD") or "")[:MAX_DIFF_BYTES])
         state["diff"] = "git.diff"
     return state
 
@@ -60,13 +70,23 @@ def _driver() -> str | None:
     return out.stdout.strip().splitlines()[0] if out.returncode == 0 and out.stdout.strip() else None
 
 
-def _nccl() -> str:
-    version = torch.cuda.nccl.version()  # (2, 21, 5), or an int on some builds
+def _nccl() -> str | None:
+    try:
+        version = torch.cuda.nccl.version()  # (2, 21, 5), or an int on some builds
+    except Exception:
+        return None
     return ".".join(map(str, version)) if isinstance(version, tuple) else str(version)
 
 
+def _gpus() -> list[str]:
+    try:
+        return [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    except Exception:  # a broken driver is the workers' problem to report, not a reason to stop here
+        return []
+
+
 def environment_record(run_dir: Path) -> dict[str, Any]:
-    gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    gpus = _gpus()
     return {
         "git": code_state(run_dir),
         "torch": torch.__version__, "cuda": torch.version.cuda,

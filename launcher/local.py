@@ -43,31 +43,32 @@ def worker_env(plan: Plan, run_dir: Path) -> dict[str, str]:
     """What the agent's workers get on top of this process's environment (a user's own setting wins).
 
     A CPU plan's workers get CUDA_VISIBLE_DEVICES="": they never see, or initialise, a GPU. A CUDA plan's
-    workers keep NCCL's flight recorder on (the last collectives of every rank) and dump it into
-    <run_dir>/comm_traces/ when a collective times out; older torch reads the TORCH_NCCL_ spellings.
+    workers dump NCCL's flight recorder (on by default in torch: each rank's last collectives) into
+    <run_dir>/comm_traces/ when a collective times out. TORCH_FR_DUMP_TEMP_FILE is the current spelling
+    (torch warns about the older TORCH_NCCL_DEBUG_INFO_TEMP_FILE; older torch dumps to /tmp instead).
     """
     if plan.device_type == "cpu":
         return {"CUDA_VISIBLE_DEVICES": ""}
-    wanted = {("TORCH_NCCL_DUMP_ON_TIMEOUT",): "1",
-              ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE"): "2000",
-              ("TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE"): str(run_dir / COMM_TRACES_DIR / "rank_")}
-    return {name: value for names, value in wanted.items() if not set(names) & set(os.environ) for name in names}
+    env = {}
+    if "TORCH_NCCL_DUMP_ON_TIMEOUT" not in os.environ:
+        env["TORCH_NCCL_DUMP_ON_TIMEOUT"] = "1"
+    if not {"TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE"} & set(os.environ):
+        env["TORCH_FR_DUMP_TEMP_FILE"] = str(run_dir / COMM_TRACES_DIR / "rank_")
+    return env
 
 
 @contextmanager
 def environment(updates: dict[str, str]) -> Iterator[None]:
-    """`updates` in os.environ while the agent starts its workers (they copy it); put back afterwards, so
-    the next point of a local -m sweep (the same process) plans with the user's environment again."""
-    before = {name: os.environ.get(name) for name in updates}
+    """`updates` in os.environ while the agent starts its workers (they copy it); afterwards the whole
+    environment as it was (torchrun also sets OMP_NUM_THREADS), so the next point of a local -m sweep (the
+    same process) plans with the user's environment again."""
+    before = dict(os.environ)
     os.environ.update(updates)
     try:
         yield
     finally:
-        for name, value in before.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
+        os.environ.clear()
+        os.environ.update(before)
 
 
 def run_agent(config_path: Path, plan: Plan, launcher: DictConfig, rendezvous: list[str]) -> int:

@@ -175,7 +175,6 @@ def train(run: Run, progress: Progress, stop: StopFlag) -> dict[str, Any]:
     if run.profiler.dir:
         summary["profile"] = str(run.profiler.dir)
     run.log.summary(summary)
-    run.watchdog.at("done", progress.step)  # a report of a slow final phase is taken back
     return summary
 
 

@@ -21,10 +21,13 @@ class ComputeTimer:
     def __init__(self, device: torch.device, rank: int, world_size: int):
         self.device, self.rank, self.world_size = device, rank, world_size
         self.cuda = device.type == "cuda"
+        self.on = world_size > 1  # one rank has nobody to compare with: no events, no host clock
         self.spans: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
         self.host_s, self.started = 0.0, 0.0
 
     def start(self) -> None:
+        if not self.on:
+            return
         if self.cuda:
             self.started = torch.cuda.Event(enable_timing=True)
             self.started.record()
@@ -32,6 +35,8 @@ class ComputeTimer:
             self.started = time.perf_counter()
 
     def stop(self) -> None:
+        if not self.on:
+            return
         if self.cuda:
             stopped = torch.cuda.Event(enable_timing=True)
             stopped.record()

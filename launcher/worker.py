@@ -147,6 +147,8 @@ def build_and_train(cfg: DictConfig, path: Path, env: launcher_dist.DistEnv, sto
     run.log.info(f"run dir {path.parent} | world size {env.world_size} | grad accum "
                  f"{run.grad_accum_steps} | precision {run.precision.name} | config {hashes[0]}")
     summary = train(run, progress, stop)
+    run.watchdog.close()  # done or preempted: what comes now (shutdown) is no hang of the loop
+    run.profiler.close()  # a preemption inside train.profile's steps keeps what was recorded
     run.log.close()
     return summary
 

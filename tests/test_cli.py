@@ -123,12 +123,14 @@ def test_launch_record_has_what_a_bug_report_needs_and_no_secret(tmp_path: Path)
     git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "code")
     with open(code / "jobs" / "toy.py", "a") as f:
         f.write("# a local change\n")
-    secrets = {"TORCH_HF_TOKEN": "hf_abc123", "NCCL_IB_PASSWORD": "pw-456",
-               "TORCH_STORE_URL": "https://alice:s3cr3t-789@example.org/store"}
+    secrets = {"TORCH_HF_TOKEN": "hf_abc123", "NCCL_IB_PASSWORD": "pw-456", "SLURM_JWT": "jwt-000",
+               "TORCH_STORE_URL": "https://alice:s3cr3t-789@example.org/store",
+               "TORCH_CKPT_URL": "https://s3.example.org/b/x?X-Amz-Signature=sig-999&part=1"}
     env = subprocess_env(PYTHONPATH=str(code), NCCL_DEBUG="INFO", **secrets)
     run_dir = tmp_path / "run"
     out = subprocess.run([sys.executable, "-m", "launcher", "+exp=toy", "launcher.device=cpu", "launcher.dry_run=true",
-                          f"hydra.run.dir={run_dir}"], cwd=tmp_path, env=env, capture_output=True, text=True)
+                          "+data.api_key=key-888", f"hydra.run.dir={run_dir}"], cwd=tmp_path, env=env,
+                         capture_output=True, text=True)
     assert out.returncode == 0, out.stderr[-3000:]
     text = (run_dir / "launch.json").read_text()
     launch = json.loads(text)
@@ -137,5 +139,7 @@ def test_launch_record_has_what_a_bug_report_needs_and_no_secret(tmp_path: Path)
     assert "+# a local change" in (run_dir / "git.diff").read_text()
     assert launch["env"]["NCCL_DEBUG"] == "INFO" and launch["env"]["TORCH_HF_TOKEN"] == "<redacted>"
     assert launch["env"]["TORCH_STORE_URL"] == "https://<redacted>@example.org/store"
-    for value in ("hf_abc123", "pw-456", "s3cr3t-789"):
+    assert launch["env"]["TORCH_CKPT_URL"] == "https://s3.example.org/b/x?X-Amz-Signature=<redacted>&part=1"
+    assert "+data.api_key=<redacted>" in launch["overrides"]
+    for value in ("hf_abc123", "pw-456", "jwt-000", "s3cr3t-789", "sig-999", "key-888"):
         assert value not in text

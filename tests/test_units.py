@@ -71,13 +71,13 @@ def test_worker_environment_per_plan_and_put_back(monkeypatch: pytest.MonkeyPatc
     from launcher.plan import Plan
 
     cpu, cuda = Plan(1, 2, 2, 1, "cpu"), Plan(1, 2, 2, 1, "cuda")
-    monkeypatch.delenv("TORCH_FR_BUFFER_SIZE", raising=False)
-    monkeypatch.delenv("TORCH_FR_DUMP_TEMP_FILE", raising=False)
-    monkeypatch.setenv("TORCH_NCCL_TRACE_BUFFER_SIZE", "50")  # the user's, in the older spelling
+    for name in ("TORCH_NCCL_DUMP_ON_TIMEOUT", "TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE"):
+        monkeypatch.delenv(name, raising=False)
     assert worker_env(cpu, tmp_path) == {"CUDA_VISIBLE_DEVICES": ""}
-    assert worker_env(cuda, tmp_path) == {
-        "TORCH_NCCL_DUMP_ON_TIMEOUT": "1", "TORCH_FR_DUMP_TEMP_FILE": str(tmp_path / "comm_traces" / "rank_"),
-        "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": str(tmp_path / "comm_traces" / "rank_")}
+    assert worker_env(cuda, tmp_path) == {"TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+                                          "TORCH_FR_DUMP_TEMP_FILE": str(tmp_path / "comm_traces" / "rank_")}
+    monkeypatch.setenv("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", "/scratch/fr_")  # the user's, in the older spelling
+    assert worker_env(cuda, tmp_path) == {"TORCH_NCCL_DUMP_ON_TIMEOUT": "1"}
     for before in (None, "0,1"):
         if before is None:
             monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
