@@ -4,6 +4,12 @@ Every feature is found by looking at the installed torch (a parser's flags, a si
 version string, and each fallback says in one line at launch what the user loses. The fallbacks run on
 every CI run with the newer features hidden: tests/test_torch_floor.py. Used by the parent (torchrun's
 flags) and the workers (DDP's arguments).
+
+Everything else the launcher calls was checked in torch 2.6.0's own sources and is there: get_total_norm
+and clip_grads_with_norm_, init_process_group(device_id=<torch.device>), GradScaler("cpu"/"cuda"),
+fused Adam/AdamW/SGD on CPU and CUDA taking found_inf, torch.cuda.get/set_rng_state(device),
+set_sync_debug_mode, torch.load(weights_only=True), SignalException(msg, sigval), the agent's
+TORCHELASTIC_* variables, _set_pg_timeout. CI also runs the math, CLI and resume tests on 2.6.0 itself.
 """
 from __future__ import annotations
 
