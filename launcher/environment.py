@@ -2,13 +2,14 @@
 
 Installed packages and versions, the git revision of the code (and, when the tree has changes, the
 diff in <run_dir>/git.diff), torch/CUDA/NCCL/driver versions, GPU names, and the NCCL_*, TORCH_*,
-CUDA_*, PYTORCH_*, SLURM_* variables. Never a secret: a variable whose name says token, key, password,
+CUDA_*, PYTORCH_*, SLURM_* variables (and, from the first node of a Slurm job, the job's own). Never a secret: a variable whose name says token, key, password,
 secret or credential is redacted, and so are credentials inside URLs.
 Exercised by: tests/test_cli.py (`python -m launcher +exp=toy`, then read <run_dir>/launch.json).
 """
 from __future__ import annotations
 
 import importlib.metadata
+import json
 import os
 import re
 import subprocess
@@ -97,3 +98,15 @@ def environment_record(run_dir: Path) -> dict[str, Any]:
         "packages": dict(sorted((dist.metadata["Name"] or "?", dist.version)
                                 for dist in importlib.metadata.distributions())),
     }
+
+
+def record_slurm_job(run_dir: Path) -> None:
+    """On the first node of a Slurm job (each attempt): its SLURM_* variables (job id, node list, array
+    task, requeue count) go into launch.json, which the submit host wrote without them."""
+    path = run_dir / "launch.json"
+    record = json.loads(path.read_text()) if path.is_file() else {}
+    record["slurm_job"] = {name: redact(name, value) for name, value in sorted(os.environ.items())
+                           if name.startswith("SLURM_")}
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(record, indent=2) + "\n")
+    os.replace(tmp, path)

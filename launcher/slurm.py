@@ -17,6 +17,7 @@ from typing import Any
 import submitit
 from omegaconf import DictConfig, OmegaConf
 
+from launcher.environment import record_slurm_job
 from launcher.local import run_agent, torchrun_args
 from launcher.plan import ConfigError, Plan
 from launcher.preempt import PREEMPTED_FILE, REQUEUE_EXIT_CODE, read_preempted, signal_named
@@ -84,6 +85,7 @@ class NodeTask(submitit.helpers.Checkpointable):
         restart = int(os.environ.get("SLURM_RESTART_COUNT", 0))
         if env.global_rank == 0:
             (run_dir / PREEMPTED_FILE).unlink(missing_ok=True)  # from the attempt before a requeue
+            record_slurm_job(run_dir)  # job id, node list, requeue count: for a bug report
         # The first node's address, not its name: names need not resolve (emulated nodes, some clusters).
         host = os.environ.get("SLURM_LAUNCH_NODE_IPADDR") or env.hostnames[0]
         rendezvous = c10d_rendezvous(f"{host}:{rendezvous_port(env.job_id, restart)}", f"{env.job_id}-{restart}")

@@ -74,6 +74,8 @@ def test_one_node_two_workers_completes(cluster, tmp_path: Path) -> None:
     assert summary["world_size"] == 2 and summary["steps"] == 40
     assert (run_dir / "config.yaml").is_file() and (run_dir / "checkpoints" / "40" / "COMPLETE").is_file()
     assert len([m for m in read_metrics(run_dir) if "loss" in m]) == 40
+    slurm_job = json.loads((run_dir / "launch.json").read_text())["slurm_job"]  # the node's view, for bug reports
+    assert slurm_job["SLURM_JOB_ID"] == job and slurm_job["SLURM_JOB_NODELIST"]
     assert bitwise(weights(run_dir), weights(local_reference(tmp_path)))  # the same trajectory as locally
 
 
