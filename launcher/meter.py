@@ -76,7 +76,6 @@ class Meter:
             self.flops_per_item * items_per_sec / (self.peak * self.world_size)
         record["data_wait_frac"] = self.data_wait_s / elapsed
         record["peak_mem_mb"] = peak_memory_mb(self.device)
-        if self.world_size > 1:
-            record.update(self.timer.read())
+        record.update(self.timer.read())
         self.reset()
         return record

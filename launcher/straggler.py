@@ -45,7 +45,10 @@ class ComputeTimer:
             self.host_s += time.perf_counter() - self.started
 
     def read(self) -> dict[str, float | int]:
-        """The interval's compute time of the slowest rank over the median rank's; every rank calls it."""
+        """The interval's compute time of the slowest rank over the median rank's; every rank calls it.
+        Nothing with one rank (nobody to compare with)."""
+        if not self.on:
+            return {}
         if self.cuda:
             for _, stopped in self.spans[-1:]:
                 stopped.synchronize()  # a log step: waiting here is fine
