@@ -85,7 +85,7 @@ def run_raw(precision: str, log_every: int = LOG_EVERY, steps: int = STEPS, extr
 def count_launcher_syncs(work: Path) -> dict:
     from hydra import compose, initialize_config_dir
 
-    from launcher.plan import make_plan, resolve, write_config
+    from launcher.launch.plan import make_plan, resolve, write_config
     from launcher.schema import register
 
     register()

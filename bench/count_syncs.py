@@ -1,5 +1,5 @@
 """Counts gradient all-reduces per optimizer step of the launcher's own train step on the bench workload:
-builds the run exactly as launcher.worker does, wraps DDP's all-reduce in a counting comm hook and
+builds the run exactly as launcher.train.worker does, wraps DDP's all-reduce in a counting comm hook and
 notes the micro-batch each call ran in (one sync round = calls in one micro-batch's backward).
 Run: torchrun --standalone --nproc-per-node 2 bench/count_syncs.py <config.yaml> <steps>
 """
@@ -12,13 +12,13 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
-from launcher import dist as launcher_dist
-from launcher.data import StepWindows
-from launcher.ledger import Progress
-from launcher.loop import step_ledger
-from launcher.step import train_step
-from launcher.straggler import ComputeTimer
-from launcher.worker import build
+from launcher.train import dist as launcher_dist
+from launcher.train.data import StepWindows
+from launcher.train.ledger import Progress
+from launcher.train.loop import step_ledger
+from launcher.train.step import train_step
+from launcher.train.straggler import ComputeTimer
+from launcher.train.worker import build
 
 
 def main(config_path: str, steps: int) -> None:

@@ -23,7 +23,7 @@ BERT_BASE = {"layers": 12, "hidden": 768, "heads": 12, "seq_len": 128}
 
 def mfu(samples_per_s: float, precision: str, gpus: int) -> float | None:
     from jobs.bench import bert_from_config
-    from launcher.meter import peak_flops, training_flops_per_item
+    from launcher.train.meter import peak_flops, training_flops_per_item
 
     peak = peak_flops(torch.device("cuda", 0), precision)
     if peak is None:

@@ -93,7 +93,7 @@ def main() -> None:
             resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         print(json.dumps({"stamps": stamps, "first_step_unix_time": first_step, "syncs_per_step": syncs[0] / (args.steps - 1),
                           "peak_mem_mb": peak, "samples_per_step": per_rank * world}), flush=True)
-    del model, optimizer  # DDP must be collected while Python is alive (see launcher.dist.shutdown)
+    del model, optimizer  # DDP must be collected while Python is alive (see launcher.train.dist.shutdown)
     gc.collect()
     dist.destroy_process_group()
 

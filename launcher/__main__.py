@@ -1,13 +1,13 @@
-"""`python -m launcher +exp=<name> [overrides]`: see launcher/cli.py.
+"""`python -m launcher +exp=<name> [overrides]`: see launcher/launch/cli.py.
 
 Hydra runs the task once per run (once per sweep point with -m); Slurm runs are queued by it and
 submitted here afterwards, so a sweep becomes one job array.
 """
 import sys
 
-from launcher.cli import main
-from launcher.errors import hydra_errors_in_one_line
-from launcher.slurm import submit_queued
+from launcher.launch.cli import main
+from launcher.launch.errors import hydra_errors_in_one_line
+from launcher.launch.slurm import submit_queued
 
 with hydra_errors_in_one_line():
     main()

@@ -12,7 +12,7 @@ import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
 
-from launcher.plan import make_plan, resolve, write_config
+from launcher.launch.plan import make_plan, resolve, write_config
 from launcher.schema import register
 
 os.environ["HF_HUB_OFFLINE"] = "1"

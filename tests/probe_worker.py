@@ -1,6 +1,6 @@
 """Instrumented worker for tests/test_distributed_math.py; run under torchrun, one JSON file per rank.
 
-It builds the run exactly as launcher.worker does, then drives launcher.step.train_step while recording
+It builds the run exactly as launcher.train.worker does, then drives launcher.train.step.train_step while recording
 what a test needs: comm-hook calls, gradients after each micro-step, grad norms, param hashes,
 loss scale and LR-scheduler position; mode `eval` runs only the launcher's evaluation.
 Usage: torchrun ... probe_worker.py <config.yaml> <sync|fp16|eval|knobs|syncfree> [inf_step]; writes probe_rank<r>.pt
@@ -15,14 +15,14 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
-from launcher import dist as launcher_dist
-from launcher.data import StepWindows, window_loader
-from launcher.ledger import Progress
-from launcher.loop import evaluate, step_ledger
-from launcher.meter import Meter
-from launcher.step import train_step
-from launcher.straggler import ComputeTimer
-from launcher.worker import build
+from launcher.train import dist as launcher_dist
+from launcher.train.data import StepWindows, window_loader
+from launcher.train.ledger import Progress
+from launcher.train.loop import evaluate, step_ledger
+from launcher.train.meter import Meter
+from launcher.train.step import train_step
+from launcher.train.straggler import ComputeTimer
+from launcher.train.worker import build
 
 
 def params_hash(model: torch.nn.Module) -> str:

@@ -12,7 +12,7 @@ from omegaconf import OmegaConf
 from safetensors.torch import load_file
 
 from conftest import REPO, on_the_cpu_plan, read_metrics, run_cli, subprocess_env
-from launcher.resume import config_hash
+from launcher.derived import config_hash
 
 pytestmark = pytest.mark.slow
 TOY = ("+exp=toy", "train.max_steps=20", "train.log_every=1", "train.global_batch_size=16")

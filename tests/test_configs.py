@@ -9,7 +9,8 @@ from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
 from conftest import CONF, compose_config
-from launcher.plan import ConfigError, make_plan, resolve
+from launcher.derived import ConfigError
+from launcher.launch.plan import make_plan, resolve
 
 GROUPS = ["model", "optimizer", "scheduler", "precision", "data", "launcher"]
 OPTIONS = [(group, path.stem) for group in GROUPS for path in sorted((CONF / group).glob("*.yaml"))]

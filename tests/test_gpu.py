@@ -86,7 +86,7 @@ def test_compile_on_cuda_trains(tmp_path: Path) -> None:
 def test_loader_processes_hand_over_pinned_windows(tmp_path: Path) -> None:
     """On CUDA the loader pins each window (so the copy to the GPU can be non_blocking)."""
     from jobs.toy import ToyRegression
-    from launcher.data import DataPlan, StepWindows, window_loader
+    from launcher.train.data import DataPlan, StepWindows, window_loader
 
     task = ToyRegression(n_samples=64, n_eval=0)
     windows = StepWindows(task, DataPlan(64, 16, 0, False), rank=0, world_size=1, grad_accum_steps=2)

@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import REPO, read_metrics, run_cli, subprocess_env
-from launcher.status import slurm_state
+from launcher.launch.status import slurm_state
 
 pytestmark = pytest.mark.slow
 TOY = ("+exp=toy", "train.max_steps=40", "train.log_every=1", "train.eval_every=0", "train.global_batch_size=16",
@@ -110,8 +110,8 @@ def test_sweep_is_one_job_array_and_a_raising_point_fails(cluster, tmp_path: Pat
     assert len(jobs) == 4 and len(set(jobs.values())) == 4
     assert len({job.split("_")[0] for job in jobs}) == 1  # one array
     assert {job: final_state(job, timeout_s=240) for job in jobs} == dict.fromkeys(jobs, "COMPLETED")
-    status = subprocess.run([sys.executable, "-m", "launcher.status", str(sweep)], capture_output=True, text=True,
-                            env=subprocess_env())
+    status = subprocess.run([sys.executable, "-m", "launcher.launch.status", str(sweep)], capture_output=True,
+                            text=True, env=subprocess_env())
     rows = status.stdout.strip().splitlines()[1:]
     assert len(rows) == 4 and all(" COMPLETED " in row and " 40 " in row for row in rows), status.stdout
 

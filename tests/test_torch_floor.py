@@ -22,7 +22,8 @@ FLOOR_ENV = subprocess_env(PYTHONPATH=f"{REPO / 'tests' / 'torch_floor'}{os.path
 
 def test_the_floor_torch_is_what_the_launcher_detects() -> None:
     """The control: with the floor folder on the path, compat sees a torch without the newer features."""
-    probe = ("from launcher import compat, local; from launcher.plan import Plan; from omegaconf import OmegaConf; "
+    probe = ("from launcher import compat; from launcher.launch import local; from launcher.launch.plan import Plan; "
+             "from omegaconf import OmegaConf; "
              "plan = Plan(1, 2, 2, 1, 'cpu'); cfg = OmegaConf.create({'signal': 'USR2', 'shutdown_timeout_s': 120, "
              "'max_restarts': 0}); print(compat.DDP_NO_FORWARD_BUFFER_SYNC, "
              "local.torchrun_args(__import__('pathlib').Path('c.yaml'), plan, cfg, ['--standalone']))")

@@ -6,9 +6,9 @@ import os
 import pytest
 import torch
 
-from launcher.data import DataPlan, rank_share
-from launcher.plan import ConfigError, grad_accum_steps
-from launcher.schedule import lr_factor
+from launcher.derived import ConfigError, grad_accum_steps
+from launcher.train.data import DataPlan, rank_share
+from launcher.train.schedule import lr_factor
 
 
 def test_grad_accum_is_derived_and_the_error_names_both_keys() -> None:
@@ -67,8 +67,8 @@ def test_worker_environment_per_plan_and_put_back(monkeypatch: pytest.MonkeyPatc
     """A CPU plan's workers see no GPU; a CUDA plan's keep NCCL's flight recorder, dumping into the run dir,
     unless the user set it. The parent gets its own environment back, so the next point of a local -m
     sweep (the same process) still plans with the GPUs."""
-    from launcher.local import environment, worker_env
-    from launcher.plan import Plan
+    from launcher.launch.local import environment, worker_env
+    from launcher.launch.plan import Plan
 
     cpu, cuda = Plan(1, 2, 2, 1, "cpu"), Plan(1, 2, 2, 1, "cuda")
     for name in ("TORCH_NCCL_DUMP_ON_TIMEOUT", "TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE"):

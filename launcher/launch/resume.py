@@ -3,33 +3,13 @@ config change under an existing run. Exercised by: `python -m launcher +exp=toy 
 """
 from __future__ import annotations
 
-import hashlib
-import json
 from pathlib import Path
 from typing import Any
 
 from omegaconf import OmegaConf
 
-from launcher.checkpoint import complete_steps
-from launcher.plan import ConfigError
-
-# Keys that do not change the trajectory: where it runs, how often it logs, and the batch's split
-# (micro_batch_size only changes accumulation at a fixed global batch).
-NOT_TRAJECTORY = {"plan", "launcher", "dist", "resume", "name"}
-NOT_TRAJECTORY_TRAIN = {"log_every", "eval_every", "ckpt_every", "keep_checkpoints", "num_workers",
-                        "persistent_workers", "prefetch_factor", "compile", "max_bad_steps", "log_samples",
-                        "micro_batch_size", "profile", "profile_ranks", "straggler_ratio"}
-
-
-def trajectory_config(config: dict[str, Any]) -> dict[str, Any]:
-    """The part of a resolved config that decides the trained weights."""
-    kept = {k: v for k, v in config.items() if k not in NOT_TRAJECTORY}
-    kept["train"] = {k: v for k, v in config.get("train", {}).items() if k not in NOT_TRAJECTORY_TRAIN}
-    return kept
-
-
-def config_hash(config: dict[str, Any]) -> str:
-    return hashlib.sha256(json.dumps(trajectory_config(config), sort_keys=True).encode()).hexdigest()[:16]
+from launcher.derived import ConfigError, trajectory_config
+from launcher.rundir import complete_steps
 
 
 def differing_keys(old: dict[str, Any], new: dict[str, Any], prefix: str = "") -> list[str]:

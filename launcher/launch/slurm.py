@@ -17,13 +17,14 @@ from typing import Any
 import submitit
 from omegaconf import DictConfig, OmegaConf
 
-from launcher.environment import record_slurm_job
-from launcher.local import run_agent, torchrun_args
-from launcher.plan import ConfigError, Plan
+from launcher.derived import ConfigError
+from launcher.launch.environment import record_slurm_job
+from launcher.launch.local import run_agent, torchrun_args
+from launcher.launch.plan import Plan
 from launcher.preempt import PREEMPTED_FILE, REQUEUE_EXIT_CODE, read_preempted, signal_named
 
 REQUEUES_FILE = "requeues.json"  # how often preemption requeued this run; bounded by launcher.max_requeues
-JOB_FILE = "slurm.json"  # the job id and log dir, for `python -m launcher.status`
+JOB_FILE = "slurm.json"  # the job id and log dir, for `python -m launcher.launch.status`
 
 
 @dataclass
@@ -154,7 +155,7 @@ def submit_queued() -> int:
     for job, run in zip(jobs, runs):
         (run.run_dir / JOB_FILE).write_text(json.dumps({"job_id": job.job_id, "log_dir": str(folder)}) + "\n")
         print(f"submitted job {job.job_id}: run dir {run.run_dir}", flush=True)
-    print(f"status: python -m launcher.status {common}", flush=True)
+    print(f"status: python -m launcher.launch.status {common}", flush=True)
     return wait_for(jobs, runs) if launcher["wait"] else 0
 
 

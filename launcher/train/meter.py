@@ -9,8 +9,8 @@ from typing import Any
 
 import torch
 
-from launcher.dist import all_reduce_sum
-from launcher.straggler import ComputeTimer
+from launcher.train.dist import all_reduce_sum
+from launcher.train.straggler import ComputeTimer
 
 # Dense peak FLOP/s per GPU for bf16/fp16 tensor cores (fp32 runs use TF32, about half).
 PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10": 125e12, "L4": 121e12,

@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from launcher.dist import all_reduce_sum
+from launcher.train.dist import all_reduce_sum
 
 
 class ComputeTimer:

@@ -14,18 +14,18 @@ from typing import Any, Iterable, Iterator
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from launcher import checkpoint
-from launcher.data import DataPlan, StepWindows, Window, eval_batches, window_loader
-from launcher.dist import DistEnv, all_gather_objects, all_reduce_sum, training_timeout
-from launcher.ledger import Progress, StepLedger
-from launcher.meter import Meter, peak_flops, peak_memory_mb, training_flops_per_item
-from launcher.metrics import RunLog
-from launcher.precision import Precision
 from launcher.preempt import StopFlag, ignore_in_data_workers
-from launcher.profile import StepProfiler
-from launcher.step import train_step
 from launcher.task import Task, to_device
-from launcher.watchdog import Watchdog
+from launcher.train import checkpoint
+from launcher.train.data import DataPlan, StepWindows, Window, eval_batches, window_loader
+from launcher.train.dist import DistEnv, all_gather_objects, all_reduce_sum, training_timeout
+from launcher.train.ledger import Progress, StepLedger
+from launcher.train.meter import Meter, peak_flops, peak_memory_mb, training_flops_per_item
+from launcher.train.metrics import RunLog
+from launcher.train.precision import Precision
+from launcher.train.profile import StepProfiler
+from launcher.train.step import train_step
+from launcher.train.watchdog import Watchdog
 
 
 @dataclass
@@ -58,8 +58,8 @@ class Run:
     prefetch_factor: int
     log: RunLog
     config_hash: str
-    watchdog: Watchdog  # writes a hang report when the loop stands still (launcher/watchdog.py)
-    profiler: StepProfiler  # records train.profile's steps (launcher/profile.py)
+    watchdog: Watchdog  # writes a hang report when the loop stands still (launcher/train/watchdog.py)
+    profiler: StepProfiler  # records train.profile's steps (launcher/train/profile.py)
 
 
 @torch.no_grad()
@@ -97,7 +97,7 @@ def train(run: Run, progress: Progress, stop: StopFlag) -> dict[str, Any]:
     """Train from progress.step to max_steps; returns the summary (also written by rank 0).
 
     A preemption request reaches every rank in the next step's all-reduce; the host reads it one step
-    later (launcher/ledger.py), and there every rank saves the same complete checkpoint and stops.
+    later (launcher/train/ledger.py), and there every rank saves the same complete checkpoint and stops.
     """
     resumed_from, resumed_samples = progress.step, progress.samples
     windows = StepWindows(run.task, run.data_plan, run.env.rank, run.env.world_size, run.grad_accum_steps)
@@ -179,7 +179,7 @@ def train(run: Run, progress: Progress, stop: StopFlag) -> dict[str, Any]:
 
 
 def step_ledger(run: Run, progress: Progress) -> StepLedger:
-    """The host's late view of the steps' agreed flags, counting into `progress` (launcher/ledger.py)."""
+    """The host's late view of the steps' agreed flags, counting into `progress` (launcher/train/ledger.py)."""
     return StepLedger(progress, run.scheduler, run.max_bad_steps, run.run_dir / "checkpoints")
 
 

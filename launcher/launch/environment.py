@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-CODE = Path(__file__).resolve().parent.parent  # the checkout that holds launcher/ and jobs/
+CODE = Path(__file__).resolve().parents[2]  # the checkout that holds launcher/ and jobs/
 ENV_PREFIXES = ("NCCL_", "TORCH_", "CUDA_", "PYTORCH_", "SLURM_")
 SECRET_NAME = re.compile(r"TOKEN|KEY|PASS|PWD|SECRET|CREDENTIAL|JWT|AUTH|COOKIE", re.IGNORECASE)
 URL_CREDENTIALS = re.compile(r"(://)[^/\s]+@")  # user:password@ in a URL

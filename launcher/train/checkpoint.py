@@ -20,17 +20,8 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_model, save_model
 
-from launcher.dist import all_gather_objects
-
-MARKER = "COMPLETE"
-
-
-def complete_steps(run_dir: Path) -> list[int]:
-    """Steps of the complete checkpoints in run_dir, oldest first."""
-    root = run_dir / "checkpoints"
-    if not root.is_dir():
-        return []
-    return sorted(int(p.name) for p in root.iterdir() if p.name.isdigit() and (p / MARKER).is_file())
+from launcher.rundir import MARKER, complete_steps
+from launcher.train.dist import all_gather_objects
 
 
 def rng_state(device: torch.device) -> dict[str, Any]:

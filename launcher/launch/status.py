@@ -1,4 +1,4 @@
-"""`python -m launcher.status <run dir or sweep dir>`: per run, its Slurm state, last step and loss, the
+"""`python -m launcher.launch.status <run dir or sweep dir>`: per run, its Slurm state, last step and loss, the
 last eval metrics and the latest complete checkpoint.
 """
 from __future__ import annotations
@@ -9,9 +9,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from launcher.checkpoint import complete_steps
+from launcher.launch.slurm import JOB_FILE
 from launcher.preempt import PREEMPTED_FILE
-from launcher.slurm import JOB_FILE
+from launcher.rundir import complete_steps
 
 
 def run_dirs(root: Path) -> list[Path]:
@@ -57,7 +57,7 @@ def describe(run_dir: Path) -> dict[str, Any]:
 
 def main(argv: list[str]) -> int:
     if len(argv) != 1 or not Path(argv[0]).is_dir():
-        print("usage: python -m launcher.status <run dir or sweep dir>", file=sys.stderr)
+        print("usage: python -m launcher.launch.status <run dir or sweep dir>", file=sys.stderr)
         return 2
     rows = [describe(d) for d in run_dirs(Path(argv[0]))]
     if not rows:

@@ -15,11 +15,8 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from launcher.derived import ConfigError, grad_accum_steps
 from launcher.preempt import signal_named
-
-
-class ConfigError(ValueError):
-    """A user mistake in the config or environment; printed as one line, no traceback."""
 
 
 @dataclass(frozen=True)
@@ -29,17 +26,6 @@ class Plan:
     world_size: int
     grad_accum_steps: int
     device_type: str  # "cuda" or "cpu"
-
-
-def grad_accum_steps(global_batch_size: int, micro_batch_size: int, world_size: int) -> int:
-    """K = global / (micro x world); the one formula the parent and every worker use."""
-    per_step = micro_batch_size * world_size
-    if global_batch_size % per_step:
-        raise ConfigError(
-            f"train.global_batch_size={global_batch_size} is not divisible by train.micro_batch_size="
-            f"{micro_batch_size} x world size {world_size} (= {per_step}); set train.global_batch_size "
-            f"to a multiple of {per_step} or change train.micro_batch_size")
-    return global_batch_size // per_step
 
 
 def _require_positive(cfg: DictConfig, *keys: str) -> None:

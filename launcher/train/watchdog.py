@@ -4,7 +4,7 @@ Each worker runs a watchdog thread. When its training loop has not moved on for 
 it writes <run_dir>/hang/rank<N>.txt: one JSON line (step, phase, the innermost frame of our own code,
 seconds stalled), then every thread's Python stack. A rank that moves on again removes its report (it
 was slow, not hung). When the run then fails, the launcher names the ranks that were not where the
-others were (launcher/local.py). Exercised by: tests/test_hang.py.
+others were (launcher/launch/local.py). Exercised by: tests/test_hang.py.
 """
 from __future__ import annotations
 
@@ -17,17 +17,19 @@ import time
 from pathlib import Path
 from types import FrameType
 
-HANG_DIR = "hang"
-CODE = Path(__file__).resolve().parent.parent  # the checkout: frames under its launcher/ and jobs/ are ours
+from launcher.rundir import HANG_DIR
+
+CODE = Path(__file__).resolve().parents[2]  # the checkout: frames under its launcher/ and jobs/ are ours
 OWN_CODE = tuple(str(CODE / part) + os.sep for part in ("launcher", "jobs"))
 WAITING = (f"torch{os.sep}distributed{os.sep}", f"torch{os.sep}autograd{os.sep}")
 # Our own places where the host waits for the GPU, which may wait for the other ranks (NCCL does not block
 # the host: a rank waiting for its peers on a GPU blocks in the next read of a GPU value)
-WAITING_OWN = ("launcher/dist.py", "launcher/ledger.py", "launcher/meter.py", "launcher/straggler.py")
+WAITING_OWN = ("launcher/train/dist.py", "launcher/train/ledger.py", "launcher/train/meter.py",
+               "launcher/train/straggler.py")
 
 
 def _own(path: str) -> str | None:
-    """`launcher/step.py` for a file of ours, else None."""
+    """`launcher/train/step.py` for a file of ours, else None."""
     return next((path[len(str(CODE)) + 1:] for prefix in OWN_CODE if path.startswith(prefix)), None)
 
 
@@ -35,7 +37,7 @@ def innermost_own_frame(frame: FrameType | None) -> str:
     """`jobs/toy.py:52 loss_sum`: where in our code (launcher/ or jobs/) a stack is, innermost first."""
     while frame is not None:
         own = _own(frame.f_code.co_filename)
-        if own and own != "launcher/watchdog.py":
+        if own and own != "launcher/train/watchdog.py":
             return f"{own}:{frame.f_lineno} {frame.f_code.co_name}"
         frame = frame.f_back
     return "outside launcher/ and jobs/"
@@ -108,24 +110,3 @@ class Watchdog:
         except OSError as err:  # disk full, a vanished file system: say so once, keep watching
             print(f"warning: rank {self.rank} could not write its hang report {self.report}: {err}",
                   file=sys.stderr, flush=True)
-
-
-def hang_summary(run_dir: Path) -> str | None:
-    """One line for the launcher's error: the ranks that stopped outside a collective (the ones the
-    others waited for), where each was, and where the stacks are."""
-    headers = []
-    for report in sorted((run_dir / HANG_DIR).glob("rank*.txt")):
-        try:
-            headers.append(json.loads(report.read_text().splitlines()[0]))
-        except (OSError, ValueError, IndexError):  # half-written by a rank that was killed meanwhile
-            continue
-    if not headers:
-        return None
-    where = lambda hs: "; ".join(f"rank {h['rank']} at step {h['step']} ({h['phase']}) in {h['where']}"  # noqa: E731
-                                 for h in hs)
-    stuck = [h for h in headers if not h["waiting"]]
-    waiting = [h for h in headers if h["waiting"]]
-    if stuck and waiting:
-        return (f"hung: {where(stuck)}, while rank(s) {[h['rank'] for h in waiting]} waited for it in a "
-                f"collective; stacks in {run_dir / HANG_DIR}")
-    return f"hung: {where(headers)}; stacks in {run_dir / HANG_DIR}"

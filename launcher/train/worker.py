@@ -1,7 +1,7 @@
 """Worker entry, the same on every rank and every path (local torchrun, Slurm, tests).
 
 Reads only <run_dir>/config.yaml (OmegaConf, no Hydra app) and the env:// variables.
-Exercised by: `torchrun --nproc-per-node 2 -m launcher.worker <run_dir>/config.yaml`.
+Exercised by: `torchrun --nproc-per-node 2 -m launcher.train.worker <run_dir>/config.yaml`.
 """
 from __future__ import annotations
 
@@ -18,20 +18,19 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from launcher import checkpoint
-from launcher import dist as launcher_dist
 from launcher.compat import DDP_NO_FORWARD_BUFFER_SYNC
-from launcher.data import DataPlan
-from launcher.ledger import Progress
-from launcher.loop import Run, train
-from launcher.metrics import RunLog
-from launcher.plan import grad_accum_steps
-from launcher.precision import Precision
+from launcher.derived import config_hash, grad_accum_steps
 from launcher.preempt import REQUEUE_EXIT_CODE, StopFlag, preemption_signals
-from launcher.resume import config_hash
-from launcher.profile import StepProfiler
-from launcher.schedule import build_scheduler
-from launcher.watchdog import Watchdog
+from launcher.train import checkpoint
+from launcher.train import dist as launcher_dist
+from launcher.train.data import DataPlan
+from launcher.train.ledger import Progress
+from launcher.train.loop import Run, train
+from launcher.train.metrics import RunLog
+from launcher.train.precision import Precision
+from launcher.train.profile import StepProfiler
+from launcher.train.schedule import build_scheduler
+from launcher.train.watchdog import Watchdog
 
 
 COMM_HOOKS = {"fp16": default_hooks.fp16_compress_hook, "bf16": default_hooks.bf16_compress_hook}

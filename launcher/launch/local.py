@@ -19,9 +19,9 @@ from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
 from launcher.compat import fallback_notes, relay_signals, torchrun_shutdown_args, torchrun_signal_args
-from launcher.plan import Plan
+from launcher.launch.plan import Plan
 from launcher.preempt import PREEMPTED_FILE, REQUEUE_EXIT_CODE, preemption_signals, read_preempted
-from launcher.watchdog import HANG_DIR, hang_summary
+from launcher.rundir import HANG_DIR, hang_summary
 
 COMM_TRACES_DIR = "comm_traces"  # NCCL flight recorder dumps, one file per rank, when a collective times out
 
@@ -30,7 +30,7 @@ def torchrun_args(config_path: Path, plan: Plan, launcher: DictConfig, rendezvou
     """torchrun's arguments for one node: `rendezvous` is --standalone here, c10d at the first node on Slurm."""
     return [*rendezvous, f"--nnodes={plan.nnodes}", f"--nproc-per-node={plan.nproc_per_node}",
             f"--max-restarts={launcher.max_restarts}", *torchrun_signal_args(preemption_signals(launcher.signal)),
-            *torchrun_shutdown_args(launcher.shutdown_timeout_s), "--module", "launcher.worker", str(config_path)]
+            *torchrun_shutdown_args(launcher.shutdown_timeout_s), "--module", "launcher.train.worker", str(config_path)]
 
 
 def run_local(config_path: Path, plan: Plan, launcher: DictConfig) -> int:

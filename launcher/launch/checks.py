@@ -11,7 +11,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from launcher.plan import ConfigError
+from launcher.derived import ConfigError
 
 PATH_KEYS = ("path", "eval_path")  # data files a job reads
 MODEL_KEYS = ("pretrained", "tokenizer")  # HF hub ids or local dirs

@@ -1,7 +1,7 @@
 """One optimizer step over K micro-batches: the distributed math the tests prove.
 
 The step never waits for the GPU: counts come from the CPU batches, flags are agreed on the device and
-read by the host one step late (launcher/ledger.py), and a fused optimizer skips a non-finite step on
+read by the host one step late (launcher/train/ledger.py), and a fused optimizer skips a non-finite step on
 the device. Exercised by: tests/test_distributed_math.py (real torchrun + gloo), tests/test_gpu.py
 (CUDA, sync debug mode) and `python -m launcher +exp=toy`.
 """
@@ -13,12 +13,12 @@ from dataclasses import dataclass
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from launcher.data import Window
-from launcher.dist import all_reduce_sum
-from launcher.ledger import StepLedger
-from launcher.precision import Precision
-from launcher.straggler import ComputeTimer
 from launcher.task import Task, to_device
+from launcher.train.data import Window
+from launcher.train.dist import all_reduce_sum
+from launcher.train.ledger import StepLedger
+from launcher.train.precision import Precision
+from launcher.train.straggler import ComputeTimer
 
 
 @dataclass

@@ -16,17 +16,18 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from launcher.checks import check_job_inputs
-from launcher.environment import environment_record, redact_override
-from launcher.errors import release_stderr
-from launcher.local import run_local, torchrun_args
-from launcher.plan import ConfigError, Plan, make_plan, resolve, write_config
-from launcher.resume import check_resume
-from launcher.slurm import queue
+from launcher.derived import ConfigError
+from launcher.launch.checks import check_job_inputs
+from launcher.launch.environment import environment_record, redact_override
+from launcher.launch.errors import release_stderr
+from launcher.launch.local import run_local, torchrun_args
+from launcher.launch.plan import Plan, make_plan, resolve, write_config
+from launcher.launch.resume import check_resume
+from launcher.launch.slurm import queue
 from launcher.schema import register
 
 register()
-CONF_DIR = Path(__file__).resolve().parent.parent / "conf"  # the repo's conf/, as a file-system path
+CONF_DIR = Path(__file__).resolve().parents[2] / "conf"  # the repo's conf/, as a file-system path
 HYDRA_FILES = {".hydra", "launcher.log"}  # what Hydra puts into a run dir before our code runs
 
 

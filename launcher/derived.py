@@ -1,0 +1,43 @@
+"""Formulas the parent and every worker compute alike: grad_accum_steps (global / (micro x world), and the
+ConfigError it raises) and config_hash (of the config's trajectory part; ranks and resumes compare it).
+Exercised by: tests/test_units.py and tests/test_cli.py.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """A user mistake in the config or environment; printed as one line, no traceback."""
+
+
+def grad_accum_steps(global_batch_size: int, micro_batch_size: int, world_size: int) -> int:
+    """K = global / (micro x world); the one formula the parent and every worker use."""
+    per_step = micro_batch_size * world_size
+    if global_batch_size % per_step:
+        raise ConfigError(
+            f"train.global_batch_size={global_batch_size} is not divisible by train.micro_batch_size="
+            f"{micro_batch_size} x world size {world_size} (= {per_step}); set train.global_batch_size "
+            f"to a multiple of {per_step} or change train.micro_batch_size")
+    return global_batch_size // per_step
+
+
+# Keys that do not change the trajectory: where it runs, how often it logs, and the batch's split
+# (micro_batch_size only changes accumulation at a fixed global batch).
+NOT_TRAJECTORY = {"plan", "launcher", "dist", "resume", "name"}
+NOT_TRAJECTORY_TRAIN = {"log_every", "eval_every", "ckpt_every", "keep_checkpoints", "num_workers",
+                        "persistent_workers", "prefetch_factor", "compile", "max_bad_steps", "log_samples",
+                        "micro_batch_size", "profile", "profile_ranks", "straggler_ratio"}
+
+
+def trajectory_config(config: dict[str, Any]) -> dict[str, Any]:
+    """The part of a resolved config that decides the trained weights."""
+    kept = {k: v for k, v in config.items() if k not in NOT_TRAJECTORY}
+    kept["train"] = {k: v for k, v in config.get("train", {}).items() if k not in NOT_TRAJECTORY_TRAIN}
+    return kept
+
+
+def config_hash(config: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(trajectory_config(config), sort_keys=True).encode()).hexdigest()[:16]

@@ -1,0 +1,40 @@
+"""The run dir's shared file names and their readers: what the workers write there (complete
+checkpoints, hang reports) as the parent reads it back, for resume, status and the error line.
+Exercised by: tests/test_resume.py, tests/test_hang.py and `python -m launcher.launch.status <run dir>`.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+MARKER = "COMPLETE"  # in checkpoints/<step>/ once every file of the checkpoint is written
+HANG_DIR = "hang"  # <run_dir>/hang/rank<N>.txt: a rank's hang report
+
+
+def complete_steps(run_dir: Path) -> list[int]:
+    """Steps of the complete checkpoints in run_dir, oldest first."""
+    root = run_dir / "checkpoints"
+    if not root.is_dir():
+        return []
+    return sorted(int(p.name) for p in root.iterdir() if p.name.isdigit() and (p / MARKER).is_file())
+
+
+def hang_summary(run_dir: Path) -> str | None:
+    """One line for the launcher's error: the ranks that stopped outside a collective (the ones the
+    others waited for), where each was, and where the stacks are."""
+    headers = []
+    for report in sorted((run_dir / HANG_DIR).glob("rank*.txt")):
+        try:
+            headers.append(json.loads(report.read_text().splitlines()[0]))
+        except (OSError, ValueError, IndexError):  # half-written by a rank that was killed meanwhile
+            continue
+    if not headers:
+        return None
+    where = lambda hs: "; ".join(f"rank {h['rank']} at step {h['step']} ({h['phase']}) in {h['where']}"  # noqa: E731
+                                 for h in hs)
+    stuck = [h for h in headers if not h["waiting"]]
+    waiting = [h for h in headers if h["waiting"]]
+    if stuck and waiting:
+        return (f"hung: {where(stuck)}, while rank(s) {[h['rank'] for h in waiting]} waited for it in a "
+                f"collective; stacks in {run_dir / HANG_DIR}")
+    return f"hung: {where(headers)}; stacks in {run_dir / HANG_DIR}"
