@@ -84,6 +84,11 @@ def _mark_padding(batch: Any) -> Any:
     return batch
 
 
+def _longest(samples: list[dict], size: int) -> list[dict]:
+    """The `size` longest samples: with dynamic padding, the largest batch training can meet."""
+    return sorted(samples, key=lambda s: len(s["input_ids"]), reverse=True)[:size]
+
+
 def _tokenize(tokenizer: Any, rows: list[dict[str, Any]], fields: list[str], max_length: int) -> list[dict]:
     encoded = tokenizer(*[[str(row[f]) for row in rows] for f in fields], truncation=True,
                         max_length=max_length)
@@ -136,6 +141,9 @@ class TextClassification:
 
     def count_items(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         return torch.tensor(len(batch["labels"]))
+
+    def largest_batch(self, size: int) -> dict[str, torch.Tensor]:
+        return self.collate(_longest(self.train_set, size))
 
     def loss_sum(self, model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         logits = model(**_inputs(batch)).logits
@@ -202,6 +210,9 @@ class MaskedLM:
         batch = _mark_padding(self.pad([{k: v for k, v in s.items() if k != "id"} for s in samples]))
         batch["masked_positions"] = _masked_positions(batch["labels"])
         return batch
+
+    def largest_batch(self, size: int) -> dict[str, torch.Tensor]:
+        return self.collate(_longest(self.train_set, size))
 
     def count_items(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         return torch.tensor(len(batch["masked_positions"]))  # the loss tokens: normalised by their global count

@@ -28,7 +28,8 @@ class ToyRegression:
 
     def __init__(self, n_samples: int = 1024, n_eval: int = 256, in_features: int = 8, out_features: int = 2,
                  noise: float = 0.05, seed: int = 1234, dtype: str = "float32", sleep_s: float = 0.0,
-                 sleep_rank: int | None = None, stall_rank: int = -1, stall_at_call: int = 0, stall_s: float = 0.0):
+                 sleep_rank: int | None = None, stall_rank: int = -1, stall_at_call: int = 0, stall_s: float = 0.0,
+                 oom_rank: int = -1, oom_max_items: int = 0, oom_from_call: int = 1, oom_in_backward: bool = False):
         rank = int(os.environ.get("RANK", 0))
         # per loss computation, on every rank or on sleep_rank only: lets tests signal or kill a run
         # mid-training, or make one rank a straggler
@@ -36,6 +37,11 @@ class ToyRegression:
         # One rank stalls once, in its stall_at_call-th loss computation: lets tests make a rank hang
         self.stall_s = stall_s if rank == stall_rank else 0.0
         self.stall_at_call, self.calls = stall_at_call, 0
+        # oom_rank pretends to run out of memory (torch.OutOfMemoryError) for any batch of more than
+        # oom_max_items samples from its oom_from_call-th loss computation with gradients on (probe trials
+        # included): in the forward, or in the backward (where the last micro-batch's all-reduce runs)
+        self.oom_max_items = oom_max_items if rank == oom_rank else None
+        self.oom_from_call, self.oom_in_backward, self.grad_calls = oom_from_call, oom_in_backward, 0
         generator = torch.Generator().manual_seed(seed)
         dt = getattr(torch, dtype)
         a = torch.randn(in_features, 16, generator=generator, dtype=dt)
@@ -58,7 +64,17 @@ class ToyRegression:
         self.calls += 1
         if self.stall_s and self.calls == self.stall_at_call:
             time.sleep(self.stall_s)
-        return ((model(batch["x"]) - batch["y"]) ** 2).mean(dim=1).sum()
+        loss = ((model(batch["x"]) - batch["y"]) ** 2).mean(dim=1).sum()
+        if self.oom_max_items is not None and torch.is_grad_enabled():
+            self.grad_calls += 1
+            if self.grad_calls >= self.oom_from_call and len(batch["x"]) > self.oom_max_items:
+                if not self.oom_in_backward:
+                    raise torch.OutOfMemoryError(f"test: more than {self.oom_max_items} samples (jobs/toy.py)")
+                loss.register_hook(self._out_of_memory)
+        return loss
+
+    def _out_of_memory(self, grad: torch.Tensor) -> torch.Tensor:
+        raise torch.OutOfMemoryError(f"test: more than {self.oom_max_items} samples, in backward (jobs/toy.py)")
 
     def eval_sums(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return {"loss_sum": self.loss_sum(model, batch), "count": self.count_items(batch)}

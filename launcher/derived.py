@@ -29,7 +29,7 @@ def grad_accum_steps(global_batch_size: int, micro_batch_size: int, world_size: 
 NOT_TRAJECTORY = {"plan", "launcher", "dist", "resume", "name"}
 NOT_TRAJECTORY_TRAIN = {"log_every", "eval_every", "ckpt_every", "keep_checkpoints", "num_workers",
                         "persistent_workers", "prefetch_factor", "compile", "max_bad_steps", "log_samples",
-                        "micro_batch_size", "profile", "profile_ranks", "straggler_ratio"}
+                        "micro_batch_size", "max_micro_batch_size", "profile", "profile_ranks", "straggler_ratio"}
 
 
 def trajectory_config(config: dict[str, Any]) -> dict[str, Any]:

@@ -10,7 +10,7 @@ import importlib.util
 import os
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Union
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, OmegaConf
@@ -44,7 +44,10 @@ class ScheduleName(str, Enum):
 class TrainConfig:
     seed: int = 0
     global_batch_size: int = 32  # samples per optimizer step, over all ranks and micro-batches
-    micro_batch_size: int = 8  # samples per forward/backward on one rank
+    # samples per forward/backward on one rank, or auto: the largest that fits on every rank (probed before
+    # the first step; halved, and the step redone, when a rank runs out of memory later)
+    micro_batch_size: Union[int, str] = 8
+    max_micro_batch_size: Optional[int] = None  # auto tries sizes up to this; null: the rank's whole share
     max_steps: int = 100  # optimizer steps (windows of global_batch_size samples)
     drop_last: bool = False  # drop each epoch's short last window instead of training on it
     max_grad_norm: Optional[float] = 1.0  # null disables clipping (the norm is still logged)

@@ -36,6 +36,11 @@ class Task(Protocol):
     def eval_metrics(self, sums: dict[str, float]) -> dict[str, float]:
         """Metrics from the global sums, e.g. accuracy = correct / count."""
 
+    # Optional: def largest_batch(self, size: int) -> dict[str, torch.Tensor]
+    #   `size` training samples as large as a batch of this job gets (the longest sequences, for text):
+    #   train.micro_batch_size=auto probes memory with it. Without it, the first `size` samples are used
+    #   (right for jobs whose samples all have one size).
+
 
 def count_tokens(batch: dict[str, torch.Tensor]) -> int | None:
     """Non-pad tokens of a (CPU) text batch, for tokens/s; None when the batch has no attention mask."""

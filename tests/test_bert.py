@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from conftest import read_metrics, run_cli
-from jobs.bert import MaskedLM, classification_model, masked_lm_model
+from jobs.bert import MaskedLM, TextClassification, classification_model, masked_lm_model
 from test_distributed_math import probe
 
 pytestmark = pytest.mark.slow
@@ -76,6 +76,17 @@ def test_unpadded_batches_go_without_a_mask_and_mlm_gathers_by_position(tiny_ber
         torch.testing.assert_close(task.loss_sum(model, batch), with_mask, rtol=1e-12, atol=0)
         torch.testing.assert_close(task.loss_sum(model, batch), by_boolean_mask, rtol=1e-12, atol=0)
     assert int(task.count_items(padded)) == int((padded["labels"] != -100).sum())
+
+
+def test_largest_batch_holds_the_longest_samples(tiny_bert: Path) -> None:
+    """What train.micro_batch_size=auto probes with: the n longest training samples, padded to the longest,
+    for both BERT jobs (with dynamic padding, the largest batch training can meet)."""
+    for task in (MaskedLM(str(tiny_bert), n_train=64, n_eval=0),
+                 TextClassification(str(tiny_bert), n_train=64, n_eval=0)):
+        lengths = sorted((len(s["input_ids"]) for s in task.train_set), reverse=True)
+        batch = task.largest_batch(5)
+        assert batch["input_ids"].shape == (5, lengths[0])
+        assert sorted(batch["attention_mask"].sum(1).tolist(), reverse=True) == lengths[:5]
 
 
 def test_eval_metrics_are_exact_for_1_2_and_3_ranks(tmp_path: Path, tiny_bert: Path) -> None:

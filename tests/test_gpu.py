@@ -126,3 +126,29 @@ def test_cpu_plan_on_a_gpu_host_hides_the_gpus(tmp_path: Path) -> None:
     assert OmegaConf.load(run_dir / "config.yaml").plan.device_type == "cpu"
     assert json.loads((run_dir / "summary.json").read_text())["world_size"] == 2
     assert [m.get("mfu") for m in read_metrics(run_dir) if "loss" in m][-1] is None  # a CPU run: no GPU peak
+
+
+def test_micro_batch_auto_probes_real_gpu_memory(tmp_path: Path, tiny_bert: Path) -> None:
+    """Issue 12 on a GPU: the probe measures the job's longest batches against the GPU's memory (no CPU
+    note), picks a size, records it, and the run trains with it."""
+    run_dir = run_ok(tmp_path, "+exp=bert", f"model.pretrained={tiny_bert}", *ONE_GPU, "train.micro_batch_size=auto",
+                     "train.max_steps=10", "data.n_train=400", "data.n_eval=101")
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["micro_batch_size"] == 32 and summary["grad_accum_steps"] == 1  # a tiny BERT: the whole share
+    assert json.loads((run_dir / "micro_batch.json").read_text())["why"] == "probed: rank 0 tried 32 fits"
+
+
+def test_running_out_of_memory_on_cuda_redoes_the_step(tmp_path: Path) -> None:
+    """The redo path with CUDA tensors: the host-side gloo agreement group, dropping the step, emptying the
+    allocator's cache; the weights end as a run at micro-batch 8 throughout (float64, rtol 1e-10)."""
+    common = ("+exp=toy", *ONE_GPU, "model.dtype=float64", "data.dtype=float64", "train.max_steps=12",
+              "train.tf32=false", "train.eval_every=0")
+    (tmp_path / "fixed").mkdir()
+    (tmp_path / "auto").mkdir()
+    whole = run_ok(tmp_path / "fixed", *common, "train.micro_batch_size=8")
+    # one rank, share 32, micro-batch 8: 1 probe trial, then 4 loss computations per step; the 18th is step 5's
+    redone = run_ok(tmp_path / "auto", *common, "train.micro_batch_size=auto", "train.max_micro_batch_size=8",
+                    "data.oom_rank=0", "data.oom_max_items=4", "data.oom_from_call=18")
+    assert [m["micro_batch_size"] for m in read_metrics(redone) if "loss" in m][-1] == 4
+    for key, value in weights(whole, 12).items():
+        torch.testing.assert_close(weights(redone, 12)[key], value, rtol=1e-10, atol=0)

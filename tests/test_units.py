@@ -71,12 +71,15 @@ def test_worker_environment_per_plan_and_put_back(monkeypatch: pytest.MonkeyPatc
     from launcher.launch.plan import Plan
 
     cpu, cuda = Plan(1, 2, 2, 1, "cpu"), Plan(1, 2, 2, 1, "cuda")
-    for name in ("TORCH_NCCL_DUMP_ON_TIMEOUT", "TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE"):
+    for name in ("TORCH_NCCL_DUMP_ON_TIMEOUT", "TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE",
+                 "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
         monkeypatch.delenv(name, raising=False)
     assert worker_env(cpu, tmp_path) == {"CUDA_VISIBLE_DEVICES": ""}
-    assert worker_env(cuda, tmp_path) == {"TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+    assert worker_env(cuda, tmp_path) == {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True",
+                                          "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
                                           "TORCH_FR_DUMP_TEMP_FILE": str(tmp_path / "comm_traces" / "rank_")}
     monkeypatch.setenv("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", "/scratch/fr_")  # the user's, in the older spelling
+    monkeypatch.setenv("PYTORCH_ALLOC_CONF", "garbage_collection_threshold:0.8")  # the user's, newer spelling
     assert worker_env(cuda, tmp_path) == {"TORCH_NCCL_DUMP_ON_TIMEOUT": "1"}
     for before in (None, "0,1"):
         if before is None:

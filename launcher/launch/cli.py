@@ -64,7 +64,7 @@ def main(cfg: DictConfig) -> None:
         return
     resuming = "" if resume_step is None else f" | resuming (latest checkpoint: step {resume_step})"
     print(f"run dir {run_dir} | {plan.world_size} worker(s) on {plan.device_type} | "
-          f"grad accum {plan.grad_accum_steps}{resuming}", flush=True)
+          f"grad accum {plan.grad_accum_steps or 'auto (the workers find the micro-batch)'}{resuming}", flush=True)
     if cfg.launcher.dry_run:  # the config is written and checked; show what would run, start nothing
         args = torchrun_args(config_path, plan, cfg.launcher, ["--standalone"])
         print(f"dry run: would run python -m torch.distributed.run {' '.join(args)}", flush=True)

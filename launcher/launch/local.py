@@ -43,13 +43,18 @@ def worker_env(plan: Plan, run_dir: Path) -> dict[str, str]:
     """What the agent's workers get on top of this process's environment (a user's own setting wins).
 
     A CPU plan's workers get CUDA_VISIBLE_DEVICES="": they never see, or initialise, a GPU. A CUDA plan's
-    workers dump NCCL's flight recorder (on by default in torch: each rank's last collectives) into
+    workers get the CUDA allocator's expandable segments, and dump NCCL's flight recorder (on by default in torch: each rank's last collectives) into
     <run_dir>/comm_traces/ when a collective times out. TORCH_FR_DUMP_TEMP_FILE is the current spelling
     (torch warns about the older TORCH_NCCL_DEBUG_INFO_TEMP_FILE; older torch dumps to /tmp instead).
     """
     if plan.device_type == "cpu":
         return {"CUDA_VISIBLE_DEVICES": ""}
     env = {}
+    # Expandable segments: less fragmentation, so fewer out-of-memory errors at a size that fits. The old
+    # name: every torch from 2.6 reads it (2.8-2.11 warn that it is deprecated), while 2.9 ignored
+    # expandable_segments under the new PYTORCH_ALLOC_CONF (pytorch#183387).
+    if not {"PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"} & set(os.environ):
+        env["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
     if "TORCH_NCCL_DUMP_ON_TIMEOUT" not in os.environ:
         env["TORCH_NCCL_DUMP_ON_TIMEOUT"] = "1"
     if not {"TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE"} & set(os.environ):

@@ -24,7 +24,7 @@ class Plan:
     nnodes: int
     nproc_per_node: int
     world_size: int
-    grad_accum_steps: int
+    grad_accum_steps: int | None  # None: train.micro_batch_size=auto, decided by the workers
     device_type: str  # "cuda" or "cpu"
 
 
@@ -76,7 +76,7 @@ def _shape(cfg: DictConfig) -> tuple[int, int, str]:
 
 def make_plan(cfg: DictConfig) -> Plan:
     """Check the config against where it will run and derive the plan, or raise ConfigError."""
-    _require_positive(cfg, "train.global_batch_size", "train.micro_batch_size", "train.max_steps",
+    _require_positive(cfg, "train.global_batch_size", "train.max_micro_batch_size", "train.max_steps",
                       "train.log_every", "launcher.nproc_per_node", "dist.timeout_s", "dist.hang_timeout_s", "dist.startup_timeout_s", "train.straggler_ratio",
                       "optimizer.lr", "train.max_grad_norm")
     _require_positive(cfg, "train.keep_checkpoints", "train.max_bad_steps", "launcher.shutdown_timeout_s",
@@ -100,9 +100,25 @@ def make_plan(cfg: DictConfig) -> Plan:
         raise ConfigError("dist.comm_hook=bf16 needs GPUs with NCCL; use dist.comm_hook=fp16 (or null) here")
     world_size = nnodes * nproc
     _check_profile(cfg.train.profile, list(cfg.train.profile_ranks), cfg.train.max_steps, world_size)
-    accum = grad_accum_steps(cfg.train.global_batch_size, cfg.train.micro_batch_size, world_size)
     return Plan(nnodes=nnodes, nproc_per_node=nproc, world_size=world_size,
-                grad_accum_steps=accum, device_type=device_type)
+                grad_accum_steps=_accumulation(cfg, world_size), device_type=device_type)
+
+
+def _accumulation(cfg: DictConfig, world_size: int) -> int | None:
+    """K from the configured micro-batch; None for auto, where the workers find the micro-batch."""
+    train, micro = cfg.train, cfg.train.micro_batch_size
+    if micro != "auto" and (not isinstance(micro, int) or micro <= 0):
+        raise ConfigError(f"train.micro_batch_size={micro} is neither a positive integer nor auto")
+    if micro != "auto":
+        return grad_accum_steps(train.global_batch_size, micro, world_size)
+    if train.global_batch_size % world_size:
+        raise ConfigError(f"train.global_batch_size={train.global_batch_size} is not divisible by the world size "
+                          f"{world_size}; with train.micro_batch_size=auto every rank needs the same share: set "
+                          f"train.global_batch_size to a multiple of {world_size}")
+    if cfg.dist.static_graph:  # DDP's static graph cannot drop a step whose forward ran (see micro_batch.py)
+        raise ConfigError("train.micro_batch_size=auto redoes a step after running out of memory, which "
+                          "dist.static_graph=true cannot; set dist.static_graph=false or a fixed train.micro_batch_size")
+    return None
 
 
 def _check_profile(steps: Any, ranks: list[int], max_steps: int, world_size: int) -> None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 from torch.utils.data import DataLoader, Dataset
@@ -101,6 +101,30 @@ def window_loader(windows: StepWindows, steps: Iterable[int], num_workers: int, 
                       num_workers=num_workers, pin_memory=pin_memory, worker_init_fn=worker_init_fn,
                       persistent_workers=persistent_workers and num_workers > 0,
                       prefetch_factor=prefetch_factor if num_workers else None)
+
+
+class WindowStream:
+    """Windows of steps first..last-1 in order, prepared ahead by a DataLoader; resplit() makes the next
+    window the same step again, split for a new accumulation (a new loader: its workers split that way)."""
+
+    def __init__(self, windows: StepWindows, first: int, last: int,
+                 loader: Callable[[StepWindows, range], Iterable[Window]]):
+        self.windows, self.first, self.last, self.loader = windows, first, last, loader
+        self._again: int | None = None
+
+    def resplit(self, grad_accum_steps: int) -> None:
+        self._again = grad_accum_steps
+
+    def __iter__(self) -> Iterator[Window]:
+        step = self.first
+        while step < self.last:
+            for window in self.loader(self.windows, range(step, self.last)):
+                yield window
+                if self._again is not None:
+                    break
+                step += 1
+            if self._again is not None:
+                self.windows.grad_accum_steps, self._again = self._again, None
 
 
 def eval_batches(task: Task, rank: int, world_size: int, batch_size: int) -> Iterable[dict[str, Any]]:

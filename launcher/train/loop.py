@@ -16,8 +16,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from launcher.preempt import StopFlag, ignore_in_data_workers
 from launcher.task import Task, to_device
-from launcher.train import checkpoint
-from launcher.train.data import DataPlan, StepWindows, Window, eval_batches, window_loader
+from launcher.train import checkpoint, micro_batch
+from launcher.train.data import DataPlan, StepWindows, Window, WindowStream, eval_batches, window_loader
 from launcher.train.dist import DistEnv, all_gather_objects, all_reduce_sum, training_timeout
 from launcher.train.ledger import Progress, StepLedger
 from launcher.train.meter import Meter, peak_flops, peak_memory_mb, training_flops_per_item
@@ -42,8 +42,9 @@ class Run:
     scaler: torch.amp.GradScaler
     precision: Precision
     data_plan: DataPlan
-    grad_accum_steps: int
+    grad_accum_steps: int  # with train.micro_batch_size=auto: set by micro_batch.choose, halved by shrink
     micro_batch_size: int
+    memory: micro_batch.OutOfMemoryAgreement  # auto only: ranks agree whether one ran out of memory (micro_batch.py)
     max_steps: int
     max_grad_norm: float | None
     timeout_s: float  # collectives once the first step is done (dist.timeout_s)
@@ -101,19 +102,24 @@ def train(run: Run, progress: Progress, stop: StopFlag) -> dict[str, Any]:
     """
     resumed_from, resumed_samples = progress.step, progress.samples
     windows = StepWindows(run.task, run.data_plan, run.env.rank, run.env.world_size, run.grad_accum_steps)
-    loader = window_loader(windows, range(progress.step, run.max_steps), run.num_workers,
-                           pin_memory=run.env.device.type == "cuda", persistent_workers=run.persistent_workers,
-                           prefetch_factor=run.prefetch_factor,
-                           worker_init_fn=partial(ignore_in_data_workers, signals=stop.signals))
+    loader = partial(window_loader, num_workers=run.num_workers, pin_memory=run.env.device.type == "cuda",
+                     persistent_workers=run.persistent_workers, prefetch_factor=run.prefetch_factor,
+                     worker_init_fn=partial(ignore_in_data_workers, signals=stop.signals))
+    stream = WindowStream(windows, progress.step, run.max_steps, loader)
     meter = Meter(run.env.device, training_flops_per_item(run.module),
                   peak_flops(run.env.device, run.precision.name), run.env.rank, run.env.world_size)
     ledger = step_ledger(run, progress)
     started, loss, preempted, first_step_at = time.perf_counter(), float("nan"), False, None
-    for window, data_wait_s in timed(loader):
+    for window, data_wait_s in timed(stream):
         run.watchdog.at("train", progress.step + 1)
         with run.profiler.step(progress.step + 1):
             result = train_step(run.model, run.task, window, run.optimizer, ledger, run.scaler, run.precision,
-                                run.max_grad_norm, run.env.device, meter.timer, stop_requested=stop.requested)
+                                run.max_grad_norm, run.env.device, meter.timer, run.memory,
+                                stop_requested=stop.requested)
+        if result is None:  # a rank ran out of memory before the gradient all-reduce; nothing has changed
+            micro_batch.shrink(run, progress.step + 1)
+            stream.resplit(run.grad_accum_steps)  # the same step again, in smaller micro-batches
+            continue
         if first_step_at is None:  # start-up cost as users feel it: until the GPU has done the first step
             ledger.settle()
             first_step_at = time.time()
@@ -134,6 +140,7 @@ def train(run: Run, progress: Progress, stop: StopFlag) -> dict[str, Any]:
         if log_now:  # every rank: the meter sums tokens
             run.watchdog.at("log", step)
             record = {"step": step, "epoch": run.data_plan.epoch_of(step - 1), **meter.read(),
+                      "micro_batch_size": run.micro_batch_size, "grad_accum_steps": run.grad_accum_steps,
                       "lr": run.scheduler.get_last_lr()[0], "grad_norm": result.grad_norm.item(),
                       "skipped_steps": progress.skipped_steps}
             if run.scaler.is_enabled():
@@ -159,6 +166,7 @@ def train(run: Run, progress: Progress, stop: StopFlag) -> dict[str, Any]:
                "wall_time_s": wall,
                "samples_per_sec": (progress.samples - resumed_samples) / wall if wall else 0.0,
                "world_size": run.env.world_size, "grad_accum_steps": run.grad_accum_steps,
+               "micro_batch_size": run.micro_batch_size,
                "precision": run.precision.name, "skipped_steps": progress.skipped_steps,
                "restarts": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)), "config_hash": run.config_hash,
                "peak_mem_mb": peak_memory_mb(run.env.device), "started_unix_time": run.log.start,
@@ -194,4 +202,6 @@ def train_state(run: Run, progress: Progress) -> dict[str, Any]:
     """Everything besides the weights that an exact resume needs (RNG states are added by the save)."""
     return {"progress": asdict(progress), "optimizer": run.optimizer.state_dict(),
             "scheduler": run.scheduler.state_dict(), "scaler": run.scaler.state_dict(),
-            "config_hash": run.config_hash, "world_size": run.env.world_size}
+            "config_hash": run.config_hash, "world_size": run.env.world_size,
+            # train.micro_batch_size=auto's size, kept by a resume (a fixed size comes from the config)
+            "micro_batch_size": run.micro_batch_size if run.memory.enabled else None}

@@ -2,12 +2,13 @@
 
 The step never waits for the GPU: counts come from the CPU batches, flags are agreed on the device and
 read by the host one step late (launcher/train/ledger.py), and a fused optimizer skips a non-finite step on
-the device. Exercised by: tests/test_distributed_math.py (real torchrun + gloo), tests/test_gpu.py
-(CUDA, sync debug mode) and `python -m launcher +exp=toy`.
+the device. With train.micro_batch_size=auto the ranks also agree, on the host, whether any ran out of
+memory before the gradient all-reduce (launcher/train/micro_batch.py). Exercised by:
+tests/test_distributed_math.py (real torchrun + gloo), tests/test_micro_batch.py, tests/test_gpu.py (CUDA,
+sync debug mode) and `python -m launcher +exp=toy`.
 """
 from __future__ import annotations
 
-from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -17,6 +18,7 @@ from launcher.task import Task, to_device
 from launcher.train.data import Window
 from launcher.train.dist import all_reduce_sum
 from launcher.train.ledger import StepLedger
+from launcher.train.micro_batch import OutOfMemoryAgreement
 from launcher.train.precision import Precision
 from launcher.train.straggler import ComputeTimer
 
@@ -29,7 +31,10 @@ class StepResult:
 
 def train_step(model: DDP, task: Task, window: Window, optimizer: torch.optim.Optimizer, ledger: StepLedger,
                scaler: torch.amp.GradScaler, precision: Precision, max_grad_norm: float | None,
-               device: torch.device, timer: ComputeTimer, stop_requested: bool = False) -> StepResult:
+               device: torch.device, timer: ComputeTimer, memory: OutOfMemoryAgreement,
+               stop_requested: bool = False) -> StepResult | None:
+    """One optimizer step; None when a rank ran out of memory before the gradient all-reduce (with
+    train.micro_batch_size=auto): then nothing changed, and every rank redoes the step in smaller pieces."""
     batches = [to_device(b, device) for b in window.micro_batches]
     weight = 0.0 if window.padding else 1.0
     world_size = torch.distributed.get_world_size()
@@ -37,19 +42,20 @@ def train_step(model: DDP, task: Task, window: Window, optimizer: torch.optim.Op
     # Normalise by the items of the whole step on all ranks, not by K: a short last window and uneven
     # token counts then give the gradient of one big batch. One small all-reduce per step.
     n_items = all_reduce_sum(torch.full((), float(window.n_items), device=device)).clamp(min=1)
-    loss_sum = torch.zeros((), device=device)
+    # DDP averages over ranks; x world_size / n_items turns that into the mean over all items
+    scale = world_size / n_items
     timer.start()  # this rank's compute before it waits for the others (straggler metric)
-    for i, batch in enumerate(batches):
-        is_last = i == len(batches) - 1
-        # Forward AND backward outside the sync: DDP all-reduces only on the last micro-batch's backward.
-        with nullcontext() if is_last else model.no_sync():
-            with precision.autocast():
-                batch_loss = task.loss_sum(model, batch) * weight
-            if is_last:
-                timer.stop()  # the last backward waits for every rank's gradients
-            # DDP averages over ranks; x world_size / n_items turns that into the mean over all items
-            scaler.scale(batch_loss * (world_size / n_items)).backward()
-        loss_sum += batch_loss.detach().float()
+    try:
+        last_loss, loss_sum = forward_until_sync(model, task, batches, weight, scale, scaler, precision)
+    except torch.OutOfMemoryError:
+        if not memory.enabled:
+            raise
+        last_loss = None  # the traceback, and the activations its frames hold, go with this block
+    timer.stop()  # the last backward waits for every rank's gradients
+    if memory.any_rank_ran_out(last_loss is None):  # agreed before the step's one gradient all-reduce
+        return None  # every rank drops the step (micro_batch.shrink) and redoes it in smaller micro-batches
+    scaler.scale(last_loss * scale).backward()  # DDP all-reduces the gradients during this backward
+    loss_sum += last_loss.detach().float()
 
     scaler.unscale_(optimizer)  # once per step: clip true gradients, not scaled ones
     grads = [p.grad for p in model.parameters() if p.grad is not None]
@@ -66,6 +72,22 @@ def train_step(model: DDP, task: Task, window: Window, optimizer: torch.optim.Op
     optimizer.zero_grad(set_to_none=True)
     ledger.record(nonfinite, stop)
     return StepResult(loss=loss_sum / n_items, grad_norm=grad_norm)
+
+
+def forward_until_sync(model: DDP, task: Task, batches: list[dict], weight: float, scale: torch.Tensor,
+                       scaler: torch.amp.GradScaler, precision: Precision) -> tuple[torch.Tensor, torch.Tensor]:
+    """Everything of the step that enters no collective: forward AND backward of micro-batches 1..K-1
+    inside no_sync (DDP all-reduces only in the last backward), then the last micro-batch's forward.
+    Returns the last micro-batch's loss and the others' summed loss."""
+    loss_sum = torch.zeros((), device=scale.device)
+    for batch in batches[:-1]:
+        with model.no_sync():
+            with precision.autocast():
+                batch_loss = task.loss_sum(model, batch) * weight
+            scaler.scale(batch_loss * scale).backward()
+        loss_sum += batch_loss.detach().float()
+    with precision.autocast():
+        return task.loss_sum(model, batches[-1]) * weight, loss_sum
 
 
 def step_unless_nonfinite(optimizer: torch.optim.Optimizer, nonfinite: torch.Tensor) -> None:

@@ -21,7 +21,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from launcher.compat import DDP_NO_FORWARD_BUFFER_SYNC
 from launcher.derived import config_hash, grad_accum_steps
 from launcher.preempt import REQUEUE_EXIT_CODE, StopFlag, preemption_signals
-from launcher.train import checkpoint
+from launcher.train import checkpoint, micro_batch
 from launcher.train import dist as launcher_dist
 from launcher.train.data import DataPlan
 from launcher.train.ledger import Progress
@@ -78,12 +78,15 @@ def build(cfg: DictConfig, run_dir: Path, env: launcher_dist.DistEnv) -> Run:
     if data_plan.steps_per_epoch == 0:
         raise ValueError(f"the train set has {data_plan.n_samples} samples, fewer than train.global_batch_size="
                          f"{train_cfg.global_batch_size} with train.drop_last=true")
+    auto = train_cfg.micro_batch_size == "auto"
     return Run(run_dir=run_dir, env=env, task=task, model=ddp, module=model, optimizer=optimizer,
                scheduler=scheduler, scaler=precision.grad_scaler(cfg.precision.init_scale, cfg.precision.growth_interval),
                precision=precision, data_plan=data_plan,
-               grad_accum_steps=grad_accum_steps(train_cfg.global_batch_size, train_cfg.micro_batch_size,
-                                                 env.world_size),
-               micro_batch_size=train_cfg.micro_batch_size, max_steps=train_cfg.max_steps,
+               # auto: 0 until micro_batch.choose, once the model and optimizer hold their memory
+               grad_accum_steps=0 if auto else grad_accum_steps(train_cfg.global_batch_size,
+                                                                 train_cfg.micro_batch_size, env.world_size),
+               micro_batch_size=0 if auto else train_cfg.micro_batch_size,
+               memory=micro_batch.OutOfMemoryAgreement(auto, env.device), max_steps=train_cfg.max_steps,
                max_grad_norm=train_cfg.max_grad_norm, timeout_s=cfg.dist.timeout_s, log_every=train_cfg.log_every,
                eval_every=train_cfg.eval_every, ckpt_every=train_cfg.ckpt_every,
                keep_checkpoints=train_cfg.keep_checkpoints, max_bad_steps=train_cfg.max_bad_steps,
@@ -143,9 +146,15 @@ def build_and_train(cfg: DictConfig, path: Path, env: launcher_dist.DistEnv, sto
         state = checkpoint.load_latest(path.parent, run.module, run.log.warn)
     progress = restore(run, state, cfg.train.seed, cfg.resume.allow_config_change)
     run.log.start_at(progress.step, run.max_steps)
+    if run.memory.enabled:  # train.micro_batch_size=auto: the model, and any resumed optimizer state, are in place
+        run.watchdog.at("micro-batch probe", progress.step)
+        micro_batch.choose(run, cfg.train.max_micro_batch_size, state and state.get("micro_batch_size"))
     run.log.info(f"run dir {path.parent} | world size {env.world_size} | grad accum "
                  f"{run.grad_accum_steps} | precision {run.precision.name} | config {hashes[0]}")
-    summary = train(run, progress, stop)
+    try:
+        summary = train(run, progress, stop)
+    except torch.OutOfMemoryError:  # where a step cannot be redone: report, and exit for a restart
+        micro_batch.exit_out_of_memory(run, progress.step + 1, run.memory.enabled)
     run.watchdog.close()  # done or preempted: what comes now (shutdown) is no hang of the loop
     run.profiler.close()  # a preemption inside train.profile's steps keeps what was recorded
     run.log.close()

@@ -1,0 +1,239 @@
+"""train.micro_batch_size=auto: the largest micro-batch that fits on every rank, and what happens when a
+rank runs out of memory later (every rank redoes the step in smaller micro-batches, or the run restarts).
+
+The samples of a step depend only on the global batch (launcher/train/data.py) and the loss is divided by
+the step's item count (launcher/train/step.py), so the micro-batch, and with it the accumulation, can
+change between steps and the trajectory stays the same. Exercised by: tests/test_micro_batch.py and
+`python -m launcher +exp=bert train.micro_batch_size=auto`.
+"""
+from __future__ import annotations
+
+import gc
+import json
+import os
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, NoReturn
+
+import torch
+import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing.errors.handlers import get_error_handler
+
+from launcher.task import Task, to_device
+from launcher.train.dist import all_gather_objects
+
+if TYPE_CHECKING:
+    from launcher.train.loop import Run
+
+MICRO_BATCH_FILE = "micro_batch.json"  # the auto size in force: a restart or a resume goes on with it
+HEADROOM = 0.10  # the probe leaves this share of the GPU free: fragmentation, longer batches, NCCL buffers
+OUT_OF_MEMORY_EXIT_CODE = 76  # a rank ran out of memory where its step cannot be redone in-process
+
+
+def sizes_to_try(share: int, bound: int) -> list[int]:
+    """Divisors of this rank's share of the global batch, at most `bound`, largest first."""
+    return [size for size in range(min(share, bound), 0, -1) if share % size == 0]
+
+
+def halved(share: int, size: int) -> int | None:
+    """The largest divisor of `share` that is at most half of `size`; None when `size` is 1."""
+    smaller = sizes_to_try(share, size // 2)
+    return smaller[0] if smaller else None
+
+
+def memory_report(device: torch.device) -> str:
+    """What this rank had, for the line that ends a run: the GPU's size and what this process holds."""
+    if device.type != "cuda":
+        return "CPU memory"
+    free, total = torch.cuda.mem_get_info(device)
+    return (f"{torch.cuda.get_device_name(device)}, {total / 2**30:.1f} GiB: {free / 2**30:.1f} GiB free, "
+            f"{torch.cuda.memory_allocated(device) / 2**30:.1f} GiB held by this rank")
+
+
+def free_memory(device: torch.device) -> None:
+    gc.collect()  # an out-of-memory traceback's frames may still hold the step's activations
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+class OutOfMemoryAgreement:
+    """Whether any rank ran out of memory in this step, agreed before the step's gradient all-reduce.
+
+    On the host, over gloo: the flag is a Python bool the moment the allocator fails, so agreeing on it
+    never waits for the GPU (a CUDA plan gets a small gloo group for it). Off, and no collective at all,
+    unless train.micro_batch_size=auto: a fixed size that does not fit is the user's to change.
+    """
+
+    def __init__(self, enabled: bool, device: torch.device):
+        self.enabled, self.device, self.ran_out_here = enabled, device, False
+        self.group = dist.new_group(backend="gloo") if enabled and device.type == "cuda" else None
+
+    def any_rank_ran_out(self, ran_out: bool) -> bool:
+        if not self.enabled:
+            return False
+        self.ran_out_here = ran_out
+        flag = torch.tensor([int(ran_out)])
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
+        return bool(flag.item())  # a CPU tensor: the GPU is not involved
+
+    def who_ran_out(self) -> str:
+        """`rank 1 (<its memory>)` for every rank that ran out in the agreed step; every rank calls it."""
+        reports = all_gather_objects(memory_report(self.device) if self.ran_out_here else None)
+        return ", ".join(f"rank {rank} ({report})" for rank, report in enumerate(reports) if report)
+
+
+def largest_batch(task: Task, size: int) -> dict[str, Any]:
+    """`size` samples as large as the job's batches get: the job's own largest_batch (the longest
+    sequences, for text), else the first samples (jobs whose samples all have one size)."""
+    if hasattr(task, "largest_batch"):
+        return task.largest_batch(size)
+    return task.collate([task.train_set[i] for i in range(min(size, len(task.train_set)))])
+
+
+def trial(run: Run, size: int, state_bytes: int) -> str | None:
+    """Forward and backward of the largest batch of `size` outside DDP's sync (no collective, so running
+    out interrupts no other rank): None when it fits with HEADROOM to spare, else why not."""
+    device = run.env.device
+    free_memory(device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        usable = (1 - HEADROOM) * (torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_reserved(device))
+    try:
+        batch = to_device(largest_batch(run.task, size), device)
+        with run.model.no_sync(), run.precision.autocast():
+            loss = run.task.loss_sum(run.model, batch)
+        loss.backward()
+        failed = None
+    except torch.OutOfMemoryError:
+        failed = "out of memory"
+    batch = loss = None  # noqa: F841  (the activations and the graph go before the next trial)
+    run.optimizer.zero_grad(set_to_none=True)
+    free_memory(device)
+    if failed or device.type != "cuda":
+        return failed
+    peak = torch.cuda.max_memory_allocated(device) + state_bytes
+    return None if peak <= usable else f"needs {peak / 2**30:.1f} GiB of {usable / 2**30:.1f} GiB usable"
+
+
+def probe(run: Run, sizes: list[int]) -> tuple[int, list[str]]:
+    """This rank's largest size of `sizes` that fits (0: none) and what each trial found."""
+    # The optimizer makes its state at the first step, after the probe: count Adam's two tensors per
+    # parameter in (less for SGD) unless a resume has loaded it already.
+    state_bytes = 0 if run.optimizer.state else 2 * sum(p.numel() * p.element_size() for p in
+                                                         run.module.parameters() if p.requires_grad)
+    tried = []
+    for size in sizes:
+        failed = trial(run, size, state_bytes)
+        tried.append(f"{size} {failed or 'fits'}")
+        if failed is None:
+            return size, tried
+    return 0, tried
+
+
+def read_record(run_dir: Path) -> dict[str, Any] | None:
+    path = run_dir / MICRO_BATCH_FILE
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def write_record(run_dir: Path, size: int, why: str) -> None:
+    tmp = run_dir / (MICRO_BATCH_FILE + f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps({"micro_batch_size": size, "why": why}) + "\n")
+    os.replace(tmp, run_dir / MICRO_BATCH_FILE)  # several ranks may write the same size at once
+
+
+def share_of(run: Run) -> int:
+    return run.data_plan.global_batch_size // run.env.world_size
+
+
+def use(run: Run, size: int, why: str, record: bool = True) -> None:
+    """Every rank: train in micro-batches of `size` from now on; rank 0 records it and says why."""
+    run.micro_batch_size, run.grad_accum_steps = size, share_of(run) // size
+    if run.env.is_main and record:
+        write_record(run.run_dir, size, why)
+    run.log.info(f"micro-batch {size}, accumulation {run.grad_accum_steps} (train.micro_batch_size=auto: {why})")
+
+
+def choose(run: Run, max_size: int | None, from_checkpoint: int | None) -> None:
+    """Before the first step: the size a restart or resume had, else the largest that fits on every rank."""
+    share = share_of(run)
+    bound = min(max_size or share, share)
+    record = read_record(run.run_dir)  # no rank writes it before every rank has read it (see below)
+    kept = {source: size for source, size in ((MICRO_BATCH_FILE, record and record["micro_batch_size"]),
+                                              ("the checkpoint", from_checkpoint)) if size}
+    if kept and min(kept.values()) <= bound and share % min(kept.values()) == 0:  # alike on every rank
+        source = min(kept, key=kept.get)
+        use(run, kept[source], f"kept from {source}" + (f": {record['why']}" if source == MICRO_BATCH_FILE else ""),
+            record=False)
+        return
+    size, tried = probe(run, sizes_to_try(share, min([bound, *kept.values()])))
+    # A collective: every rank has read the record before rank 0 writes it
+    found = all_gather_objects((size, tried, memory_report(run.env.device) if not size else None))
+    agreed = min(size for size, _, _ in found)
+    if not agreed:
+        rank, (_, tried, report) = next((r, f) for r, f in enumerate(found) if not f[0])
+        raise RuntimeError(f"train.micro_batch_size=auto: rank {rank} cannot fit even micro-batch 1 of the "
+                           f"job's largest batch ({report}); use a smaller model, data.max_length or precision")
+    where = "" if run.env.device.type == "cuda" else (
+        "; a CPU run is not probed for memory (the OS kills a process that runs out), so the largest size "
+        "that runs is taken")
+    use(run, agreed, "probed: " + "; ".join(f"rank {r} tried {', '.join(t)}" for r, (_, t, _) in enumerate(found))
+        + where)
+
+
+def shrink(run: Run, step: int) -> None:
+    """Every rank, after the agreed out-of-memory of `step`: drop the step and go on in micro-batches half
+    the size, or end the run when there is no smaller size."""
+    who, smaller = run.memory.who_ran_out(), halved(share_of(run), run.micro_batch_size)
+    if smaller is None:
+        raise RuntimeError(f"train.micro_batch_size=auto: {who} ran out of memory at step {step} even with "
+                           f"micro-batch 1; the last complete checkpoint is kept in {run.run_dir / 'checkpoints'}; "
+                           f"use a smaller model, data.max_length or precision")
+    drop_step(run, step)
+    use(run, smaller, f"{who} ran out of memory at step {step} with micro-batch {run.micro_batch_size}; every "
+                      f"rank redoes step {step}")
+
+
+def drop_step(run: Run, step: int) -> None:
+    """Forget the step's partial gradients and activations, then join DDP's gradient all-reduce once with
+    a one-sample backward of zero: a rank whose last forward finished has DDP expecting that all-reduce
+    (its next no_sync backward would start it instead), so every rank enters it, alike."""
+    run.optimizer.zero_grad(set_to_none=True)
+    free_memory(run.env.device)
+    one = to_device(run.task.collate([run.task.train_set[0]]), run.env.device)
+    try:
+        (run.task.loss_sum(run.model, one) * 0.0).backward()
+    except torch.OutOfMemoryError:  # with the step's memory freed: this rank cannot train at all
+        raise RuntimeError(f"train.micro_batch_size=auto: rank {run.env.rank} ran out of memory at step {step} even "
+                           f"for one sample ({memory_report(run.env.device)}); the last complete checkpoint is kept "
+                           f"in {run.run_dir / 'checkpoints'}; use a smaller model, data.max_length or precision"
+                           ) from None
+    run.optimizer.zero_grad(set_to_none=True)
+    free_memory(run.env.device)
+
+
+def exit_out_of_memory(run: Run, step: int, auto: bool) -> NoReturn:
+    """Out of memory where the step cannot be redone: in or after its gradient all-reduce (the other ranks
+    wait in a collective this rank will not finish), in eval or in a checkpoint. With auto, the next start
+    (torchrun's restart with launcher.max_restarts, or a relaunch) resumes from the last checkpoint with half
+    the micro-batch. Exits at once: a clean shutdown could wait for the peers as long as they wait for us."""
+    where = f"rank {run.env.rank} ran out of memory ({memory_report(run.env.device)}) at step {step}"
+    smaller = halved(share_of(run), run.micro_batch_size) if auto else None
+    if not auto:
+        message = (f"{where} with train.micro_batch_size={run.micro_batch_size}; set train.micro_batch_size=auto "
+                   f"(the largest size that fits, halved after running out) or a smaller size")
+    elif smaller is None:
+        message = (f"train.micro_batch_size=auto: {where} even with micro-batch 1; use a smaller model, "
+                   f"data.max_length or precision")
+    else:
+        write_record(run.run_dir, smaller, f"rank {run.env.rank} ran out of memory at step {step} with micro-batch "
+                                           f"{run.micro_batch_size} where the step could not be redone")
+        restarts_left = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", 0)) - int(
+            os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
+        message = (f"{where} with micro-batch {run.micro_batch_size}, in or after the gradient all-reduce where a "
+                   f"step cannot be redone; the next start resumes from the last checkpoint with micro-batch "
+                   f"{smaller}" + (" (torchrun restarts now)" if restarts_left > 0 else
+                                   f": relaunch with hydra.run.dir={run.run_dir}, or set launcher.max_restarts>=1"))
+    get_error_handler().record_exception(RuntimeError(message))  # the launcher's error line reads it
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(OUT_OF_MEMORY_EXIT_CODE)

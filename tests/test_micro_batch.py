@@ -1,0 +1,168 @@
+"""Issue 12: train.micro_batch_size=auto and running out of memory, with real torchrun + gloo ranks.
+
+Out of memory is injected by the toy job (data.oom_*: one rank raises torch.OutOfMemoryError for batches
+over a size, from a chosen loss computation on), so every test knows which rank runs out, when, and where
+(forward, or the backward that holds DDP's gradient all-reduce). The trajectory must not notice: weights
+are compared in float64 with a run that never ran out of memory, and with one at the small size.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import read_metrics, run_cli
+from launcher.train.micro_batch import MICRO_BATCH_FILE, OUT_OF_MEMORY_EXIT_CODE, halved, sizes_to_try
+
+pytestmark = pytest.mark.slow
+STEPS = 12
+COMMON = ("+exp=toy", "model.dtype=float64", "data.dtype=float64", f"train.max_steps={STEPS}", "train.log_every=1",
+          "train.eval_every=0", "train.ckpt_every=4", "train.log_samples=true", "train.global_batch_size=32",
+          "scheduler=cosine", "scheduler.warmup_steps=3")  # an lr that changes every step: no extra scheduler step
+AUTO = ("train.micro_batch_size=auto", "train.max_micro_batch_size=8")  # 16 samples per rank: 8 fits at first
+# The toy's loss computations with gradients on rank 1: 1 probe trial, then 2 micro-batches per step: the
+# 10th is the first micro-batch of step 5
+RANK1_HOLDS_4_FROM_STEP_5 = ("data.oom_rank=1", "data.oom_max_items=4", "data.oom_from_call=10")
+
+
+def launch(run_dir: Path, *overrides: str, expect: int = 0) -> str:
+    out = run_cli(*COMMON, *overrides, f"hydra.run.dir={run_dir}", cwd=run_dir.parent)
+    assert out.returncode == expect, out.stdout[-3000:] + out.stderr[-3000:]
+    return out.stdout + out.stderr
+
+
+def weights(run_dir: Path, step: int = STEPS) -> dict[str, torch.Tensor]:
+    return load_file(run_dir / "checkpoints" / str(step) / "model.safetensors")
+
+
+def assert_same_weights(a: Path, b: Path) -> None:
+    wa, wb = weights(a), weights(b)
+    assert wa.keys() == wb.keys()
+    for key in wa:
+        assert wa[key].dtype == torch.float64
+        torch.testing.assert_close(wa[key], wb[key], rtol=1e-10, atol=0)
+
+
+def per_step(run_dir: Path, key: str) -> list:
+    """`key` of every logged train step (eval records left out)."""
+    return [m[key] for m in read_metrics(run_dir) if "eval" not in m and key in m]
+
+
+def samples(run_dir: Path) -> list[tuple[int, list[int]]]:
+    return [(r["step"], r["sample_ids"]) for r in map(json.loads, (run_dir / "samples.jsonl").read_text().splitlines())]
+
+
+@pytest.fixture(scope="module")
+def fixed(tmp_path_factory: pytest.TempPathFactory) -> dict[int, Path]:
+    """Runs that never run out of memory, at micro-batch 8 and at micro-batch 4."""
+    runs = {}
+    for size in (8, 4):
+        runs[size] = tmp_path_factory.mktemp("fixed") / str(size)
+        launch(runs[size], f"train.micro_batch_size={size}")
+    return runs
+
+
+def test_sizes_tried_are_divisors_of_the_rank_share() -> None:
+    assert sizes_to_try(24, 8) == [8, 6, 4, 3, 2, 1]
+    assert sizes_to_try(16, 100) == [16, 8, 4, 2, 1]
+    assert (halved(16, 8), halved(24, 6), halved(12, 3), halved(16, 1)) == (4, 3, 1, None)
+
+
+def test_probe_takes_the_largest_size_that_fits_on_every_rank(tmp_path: Path, fixed) -> None:
+    """Rank 0 can hold 8, rank 1 only 4: both train with 4 (accumulation 4), and say why."""
+    run_dir = tmp_path / "probe"
+    log = launch(run_dir, *AUTO, "data.oom_rank=1", "data.oom_max_items=4")
+    assert "micro-batch 4, accumulation 4 (train.micro_batch_size=auto: probed: rank 0 tried 8 fits; rank 1 " \
+           "tried 8 out of memory, 4 fits" in log
+    assert set(per_step(run_dir, "micro_batch_size")) == {4} and set(per_step(run_dir, "grad_accum_steps")) == {4}
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert (summary["micro_batch_size"], summary["grad_accum_steps"]) == (4, 4)
+    assert json.loads((run_dir / MICRO_BATCH_FILE).read_text())["micro_batch_size"] == 4
+    assert_same_weights(run_dir, fixed[4])
+
+
+def test_running_out_mid_run_redoes_the_step_on_every_rank(tmp_path: Path, fixed) -> None:
+    """Rank 1 runs out at step 5 (forward of its first micro-batch): every rank drops step 5 and redoes it
+    with micro-batch 4; no sample is lost or seen twice, no optimizer or scheduler step is taken twice, and
+    the weights equal both the never-out-of-memory run at 8 and the run at 4 (float64, rtol 1e-10)."""
+    run_dir = tmp_path / "mid-run"
+    log = launch(run_dir, *AUTO, *RANK1_HOLDS_4_FROM_STEP_5)
+    assert "rank 1 (CPU memory) ran out of memory at step 5 with micro-batch 8; every rank redoes step 5" in log
+    assert per_step(run_dir, "micro_batch_size") == [8] * 4 + [4] * (STEPS - 4)
+    assert per_step(run_dir, "grad_accum_steps") == [2] * 4 + [4] * (STEPS - 4)
+    assert per_step(run_dir, "step") == list(range(1, STEPS + 1))
+    assert samples(run_dir) == samples(fixed[8])
+    assert per_step(run_dir, "lr") == per_step(fixed[8], "lr")
+    assert per_step(run_dir, "skipped_steps")[-1] == 0
+    assert_same_weights(run_dir, fixed[8])
+    assert_same_weights(run_dir, fixed[4])
+
+    # A resume keeps the halved size, from the checkpoint alone (without the run dir's record)
+    (run_dir / MICRO_BATCH_FILE).unlink()
+    log = launch(run_dir, *AUTO, f"train.max_steps={STEPS + 4}", "resume.allow_config_change=true")
+    assert f"resumed from step {STEPS}" in log and "micro-batch 4, accumulation 4 (train.micro_batch_size=auto: " \
+                                                   "kept from the checkpoint)" in log
+    assert per_step(run_dir, "micro_batch_size")[STEPS:] == [4] * 4
+
+
+def test_fp16_dropped_step_leaves_no_trace(tmp_path: Path) -> None:
+    """fp16 (float32 weights): the dropped attempt of step 5 takes no optimizer, scheduler or scaler step and
+    leaves no gradient behind. The run equals, bitwise, one that switches to micro-batch 4 at step 5 without
+    running out of memory (a resume from step 4 with train.micro_batch_size=4; not the run at 8 throughout:
+    whether fp16 gradients overflow depends on how many samples a backward holds)."""
+    fp16 = ("model.dtype=float32", "data.dtype=float32", "precision=fp16", "precision.init_scale=1048576",
+            "precision.growth_interval=3", "train.keep_checkpoints=3")
+    switched, run_dir = tmp_path / "switched", tmp_path / "fp16"
+    launch(switched, "train.micro_batch_size=8", *fp16, f"train.max_steps={STEPS}")
+    for step in (8, 12):
+        shutil.rmtree(switched / "checkpoints" / str(step))
+    launch(switched, "train.micro_batch_size=4", *fp16)  # resumes from step 4 (micro-batch is not trajectory)
+    launch(run_dir, *AUTO, *RANK1_HOLDS_4_FROM_STEP_5, *fp16)
+    assert per_step(run_dir, "micro_batch_size") == per_step(switched, "micro_batch_size") == [8] * 4 + [4] * 8
+    assert per_step(run_dir, "skipped_steps")[-1] > 0  # the scaler had overflows to handle
+    for key in ("loss_scale", "skipped_steps", "lr", "loss", "grad_norm"):
+        assert per_step(run_dir, key) == per_step(switched, key), key
+    assert all(torch.equal(weights(run_dir)[k], v) for k, v in weights(switched).items())
+
+
+def test_out_of_memory_even_for_one_sample_ends_the_run_in_one_line(tmp_path: Path) -> None:
+    """Rank 1 can hold nothing from step 5 on: the run fails with one line naming the rank and its memory,
+    exit code non-zero, and the checkpoint of step 4 is kept complete."""
+    run_dir = tmp_path / "nothing-fits"
+    out = run_cli(*COMMON, *AUTO, "data.oom_rank=1", "data.oom_max_items=0", "data.oom_from_call=10",
+                  f"hydra.run.dir={run_dir}", cwd=tmp_path)
+    assert out.returncode not in (0, 2), out.stderr[-3000:]
+    error = [line for line in out.stderr.splitlines() if line.startswith("error: ")]
+    assert len(error) == 1 and "rank 1 ran out of memory at step 5 even for one sample (CPU memory)" in error[0], error
+    assert (run_dir / "checkpoints" / "4" / "COMPLETE").is_file()
+    assert not (run_dir / "checkpoints" / "8").exists()
+
+
+def test_out_of_memory_inside_the_all_reduce_exits_and_the_next_start_halves(tmp_path: Path) -> None:
+    """Rank 1 runs out in the backward of the micro-batch that syncs (no accumulation: every backward holds
+    the all-reduce), at step 9: the step cannot be redone in-process. The workers exit with
+    OUT_OF_MEMORY_EXIT_CODE and one line; a relaunch resumes from step 8 with micro-batch 4, and the run ends
+    equal to one that never ran out of memory."""
+    shape = ("train.global_batch_size=16",)  # 8 per rank: micro-batch 8 means accumulation 1
+    reference = tmp_path / "reference"
+    launch(reference, "train.micro_batch_size=8", *shape)
+    run_dir = tmp_path / "in-collective"
+    # loss computations on rank 1: 1 probe trial, then one per step: the 10th is step 9
+    oom = ("train.micro_batch_size=auto", *shape, "data.oom_rank=1", "data.oom_max_items=4", "data.oom_from_call=10",
+           "data.oom_in_backward=true")
+    log = launch(run_dir, *oom, expect=OUT_OF_MEMORY_EXIT_CODE)
+    error = [line for line in log.splitlines() if line.startswith("error: rank 1 failed")]
+    assert len(error) == 1 and "ran out of memory (CPU memory) at step 9 with micro-batch 8" in error[0] \
+        and "the next start resumes from the last checkpoint with micro-batch 4" in error[0] \
+        and f"relaunch with hydra.run.dir={run_dir}" in error[0], log[-3000:]
+    assert json.loads((run_dir / MICRO_BATCH_FILE).read_text())["micro_batch_size"] == 4
+    log = launch(run_dir, *oom)  # the same command again: the relaunch
+    assert "resumed from step 8" in log and f"kept from {MICRO_BATCH_FILE}: rank 1 ran out of memory at step 9 with " \
+        "micro-batch 8 where the step could not be redone" in log
+    assert per_step(run_dir, "micro_batch_size") == [8] * 8 + [4] * (STEPS - 8)
+    assert samples(run_dir) == samples(reference)
+    assert_same_weights(run_dir, reference)
