@@ -10,7 +10,7 @@ import os
 import signal
 import subprocess
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -125,9 +125,10 @@ def _same_submission(runs: list[Submission]) -> None:
             if run.launcher[key] != value:
                 raise ConfigError(f"launcher.{key} differs between sweep points ({value} vs {run.launcher[key]});"
                                   f" one job array needs one value")
-        if run.plan != first.plan:
+        # Accumulation may differ (each task reads its own config.yaml); the job's shape may not
+        if replace(run.plan, grad_accum_steps=None) != replace(first.plan, grad_accum_steps=None):
             raise ConfigError("the sweep points need different world sizes or node counts; one job array "
-                              "needs one shape (sweep train.micro_batch_size/global_batch_size consistently)")
+                              "needs one shape (sweep launcher.nodes/gpus_per_node in separate launches)")
 
 
 def submit_queued() -> int:
