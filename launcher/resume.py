@@ -13,9 +13,9 @@ from omegaconf import OmegaConf
 from launcher.checkpoint import complete_steps
 from launcher.plan import ConfigError
 
-# Keys that do not change the trajectory: where it runs, how often it logs, and the batch's split
+# Keys that do not change the trajectory: where it runs, how often and where it logs, and the batch's split
 # (micro_batch_size only changes accumulation at a fixed global batch).
-NOT_TRAJECTORY = {"plan", "launcher", "dist", "resume", "name"}
+NOT_TRAJECTORY = {"plan", "launcher", "dist", "resume", "name", "logger"}
 NOT_TRAJECTORY_TRAIN = {"log_every", "eval_every", "ckpt_every", "keep_checkpoints", "num_workers",
                         "persistent_workers", "prefetch_factor", "compile", "max_bad_steps", "log_samples",
                         "micro_batch_size", "profile", "profile_ranks", "straggler_ratio"}

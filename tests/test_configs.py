@@ -11,7 +11,7 @@ from omegaconf import OmegaConf
 from conftest import CONF, compose_config
 from launcher.plan import ConfigError, make_plan, resolve
 
-GROUPS = ["model", "optimizer", "scheduler", "precision", "data", "launcher"]
+GROUPS = ["model", "optimizer", "scheduler", "precision", "data", "launcher", "logger"]
 OPTIONS = [(group, path.stem) for group in GROUPS for path in sorted((CONF / group).glob("*.yaml"))]
 EXPS = sorted(path.stem for path in (CONF / "exp").glob("*.yaml"))
 
