@@ -194,4 +194,5 @@ def train_state(run: Run, progress: Progress) -> dict[str, Any]:
     """Everything besides the weights that an exact resume needs (RNG states are added by the save)."""
     return {"progress": asdict(progress), "optimizer": run.optimizer.state_dict(),
             "scheduler": run.scheduler.state_dict(), "scaler": run.scaler.state_dict(),
-            "config_hash": run.config_hash, "world_size": run.env.world_size}
+            "config_hash": run.config_hash, "world_size": run.env.world_size,
+            "trackers": run.log.tracker_ids()}  # the tracker runs it belongs to (rank 0 writes it)
