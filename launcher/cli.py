@@ -21,9 +21,12 @@ from launcher.environment import environment_record, redact_override
 from launcher.errors import release_stderr
 from launcher.local import run_local, torchrun_args
 from launcher.plan import ConfigError, Plan, make_plan, resolve, write_config
+from launcher.preempt import REQUEUE_EXIT_CODE
 from launcher.resume import check_resume
 from launcher.slurm import queue
 from launcher.schema import register
+from launcher.tracker import write_record
+from launcher.tracker_start import hydra_point, mark_failed, start_trackers
 
 register()
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"  # the repo's conf/, as a file-system path
@@ -52,12 +55,15 @@ def main(cfg: DictConfig) -> None:
         config = resolve(cfg, plan)
         check_job_inputs(config)
         resume_step = check_resume(run_dir, config)
+        trackers = start_trackers(run_dir, config, hydra_point(run_dir), cfg.launcher.dry_run)  # the last check
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         discard_if_fresh(run_dir)
         sys.exit(2)
     config_path = write_config(run_dir, config)
     write_launch_record(run_dir, plan)
+    if trackers:  # every start of the workers (relaunch, restart, requeue) reopens these tracker runs
+        write_record(run_dir, trackers)
     if cfg.launcher.name == "slurm":  # submitted by __main__ once Hydra has run every sweep point
         queue(run_dir, config_path, plan, cfg.launcher)
         return
@@ -69,5 +75,7 @@ def main(cfg: DictConfig) -> None:
         print(f"dry run: would run python -m torch.distributed.run {' '.join(args)}", flush=True)
         return
     code = run_local(config_path, plan, cfg.launcher)
+    if code and code != REQUEUE_EXIT_CODE:
+        mark_failed(run_dir)
     if code:
         sys.exit(code)
