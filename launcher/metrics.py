@@ -1,7 +1,8 @@
 """The one place that writes run files and prints: rank 0 only, a no-op on every other rank.
 
 metrics.jsonl and the trackers of logger=[...] (TensorBoard in tb/, MLflow, W&B: launcher/tracker.py)
-get the same scalars per logged step; summary.json the end of the run; samples.jsonl (with train.log_samples) every step's sample ids; preempted.json a preemption's step.
+get the same scalars per logged step; summary.json the end of the run; samples.jsonl (with
+train.log_samples) every step's sample ids; preempted.json a preemption's step.
 On a TTY rank 0 shows a progress bar; elsewhere (CI, Slurm logs) a plain line per logged step.
 Exercised by: `python -m launcher +exp=toy` (look at <run_dir>/metrics.jsonl and tb/).
 """
@@ -21,7 +22,8 @@ STRAGGLER_LOGS = 3  # a rank slower than train.straggler_ratio x the median at t
 
 
 class RunLog:
-    def __init__(self, run_dir: Path, enabled: bool, straggler_ratio: float = 1.2, config: dict[str, Any] | None = None):
+    def __init__(self, run_dir: Path, enabled: bool, straggler_ratio: float = 1.2,
+                 config: dict[str, Any] | None = None):
         self.run_dir, self.enabled, self.straggler_ratio = run_dir, enabled, straggler_ratio
         self.config = config if config is not None else {"logger": {"tensorboard": {}}}  # what picks the trackers
         self.start = time.time()

@@ -46,6 +46,9 @@ def tracking_uri(settings: dict[str, Any]) -> str:
 
 
 def _client(uri: str) -> Any:
+    # No usage telemetry from the launcher's processes (it sends to MLflow's servers, and each process
+    # waits for it at exit), unless the user asks for it.
+    os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
     try:
         import mlflow
         from mlflow import MlflowClient
@@ -86,8 +89,9 @@ def check_store(config: dict[str, Any], settings: dict[str, Any]) -> tuple[Any, 
             if experiment is None:
                 experiment_id = _create_experiment(client, name, uri)
             elif experiment.lifecycle_stage == "deleted":
-                raise ConfigError(f"MLflow experiment {name} is deleted in {shown}; restore it (mlflow experiments "
-                                  f"restore --experiment-id {experiment.experiment_id}) or set logger.mlflow.experiment")
+                raise ConfigError(f"MLflow experiment {name} is deleted in {shown}; restore it (mlflow "
+                                  f"experiments restore --experiment-id {experiment.experiment_id}) or set "
+                                  f"logger.mlflow.experiment")
             else:
                 experiment_id = experiment.experiment_id
         except ConfigError:

@@ -23,8 +23,8 @@ LAUNCH_FILE = "launch.json"  # written by the parent: the git revision for the t
 SECRET_WORD = re.compile(r"(^|[._-])(tokens?|(api_?)?keys?|pass|passwd|passwords?|pwd|secrets?|credentials?|jwt|auth|"
                          r"cookies?)($|[._-])", re.IGNORECASE)
 # `export WANDB_API_KEY=...` in a string (launcher.setup lines): the value goes, the name stays.
-ASSIGNED_SECRET = re.compile(r"""(\b\w*(?:token|key|pass|pwd|secret|credential|jwt|auth|cookie)\w*\s*=\s*["']?)[^\s'"]+""",
-                             re.IGNORECASE)
+ASSIGNED_SECRET = re.compile(r"""(\b\w*(?:token|key|pass|pwd|secret|credential|jwt|auth|cookie)\w*\s*=\s*["']?)"""
+                             r"""[^\s'"]+""", re.IGNORECASE)
 PACKAGES = {"mlflow": "mlflow-skinny sqlalchemy alembic", "wandb": "wandb"}  # what `pip install` needs
 
 
@@ -61,7 +61,8 @@ class TensorBoardTracker(Tracker):
     name = "tensorboard"
 
     def __init__(self, run_dir: Path, resume: Resume):
-        self.dir, self.purge_step, self._writer = run_dir / "tb", resume.step + 1 if resume.step else None, None
+        purge = resume.step or resume.lost  # a restart before the first checkpoint purges from step 1
+        self.dir, self.purge_step, self._writer = run_dir / "tb", resume.step + 1 if purge else None, None
 
     def log(self, step: int, scalars: dict[str, float], kind: str) -> None:
         if self._writer is None:  # made at the first log, not before the first step: the import is slow
@@ -188,7 +189,8 @@ def run_tags(run_dir: Path, config: dict[str, Any]) -> dict[str, str]:
 
 def summary_scalars(summary: dict[str, Any]) -> dict[str, float]:
     """The numbers of summary.json (eval metrics as eval/<name>), for a tracker's run summary."""
-    scalars = {k: v for k, v in summary.items() if _number(v) and k not in ("started_unix_time", "first_step_unix_time")}
+    clocks = ("started_unix_time", "first_step_unix_time")  # times of day, not results
+    scalars = {k: v for k, v in summary.items() if _number(v) and k not in clocks}
     scalars.update({f"eval/{k}": v for k, v in (summary.get("eval") or {}).items() if _number(v)})
     return scalars
 

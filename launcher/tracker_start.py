@@ -158,11 +158,13 @@ def end_sweeps(failed: bool) -> None:
     SWEEPS.clear()
 
 
-def mark_failed(run_dir: Path) -> None:
-    """The workers failed (a SIGKILLed rank 0 could not say so): the MLflow run ends FAILED, not RUNNING."""
+def mark_failed(run_dir: Path, code: int) -> None:
+    """The workers failed (a SIGKILLed rank 0 could not say so): the MLflow run ends FAILED (KILLED after a
+    signal), not RUNNING."""
     entry = read_record(run_dir).get("mlflow")
     if entry:
         try:
-            mlflow_tracker.end_run(mlflow_tracker.tracking_uri(entry), entry["run_id"], "FAILED")
+            status = "KILLED" if code > 128 else "FAILED"
+            mlflow_tracker.end_run(mlflow_tracker.tracking_uri(entry), entry["run_id"], status)
         except Exception:
             pass  # the launch's own error line is what matters here

@@ -38,7 +38,8 @@ def check_login(settings: dict[str, Any]) -> None:
     except Exception as err:
         reason = redact("", (str(err).strip().splitlines() or [""])[0][:300])
         raise ConfigError(f"logger.wandb.mode=online but W&B does not accept the login ({type(err).__name__}: "
-                          f"{reason}); set WANDB_API_KEY or run `wandb login`, or use logger.wandb.mode=offline") from None
+                          f"{reason}); set WANDB_API_KEY or run `wandb login`, or use logger.wandb.mode=offline"
+                          ) from None
     if not ok:
         raise ConfigError("logger.wandb.mode=online but no W&B API key is set; set WANDB_API_KEY or run `wandb "
                           "login`, or use logger.wandb.mode=offline")
@@ -64,6 +65,7 @@ class WandbTracker(Tracker):
         options = dict(project=settings.get("project") or config["name"], entity=settings.get("entity"),
                        group=entry.get("group"), name=entry["name"], tags=tags, dir=str(run_dir),
                        mode=settings["mode"], job_type="train", config=redacted("", config),
+                       allow_val_change=True,  # resume.allow_config_change=true may have changed some
                        settings=wandb.Settings(disable_git=True, save_code=False, console="off", silent=True))
         self.rewound = False
         if resume.lost:
@@ -71,8 +73,9 @@ class WandbTracker(Tracker):
                 self.run = wandb.init(resume_from=f"{entry['id']}?_step={resume.step}", **options)
                 self.rewound = True
             except Exception as err:  # a server without rewind: resume the run as it is
-                print(f"warning: W&B could not rewind run {entry['id']} to step {resume.step} ({type(err).__name__}); "
-                      f"it keeps the first value of each step logged again", file=sys.stderr, flush=True)
+                print(f"warning: W&B could not rewind run {entry['id']} to step {resume.step} "
+                      f"({type(err).__name__}); it keeps the first value of each step logged again",
+                      file=sys.stderr, flush=True)
         if not self.rewound:
             self.run = wandb.init(id=entry["id"], resume="allow", **options)
 
@@ -86,7 +89,6 @@ class WandbTracker(Tracker):
             self.run.summary["checkpoint"] = summary["checkpoint"]
         if self.settings.get("artifacts"):
             import wandb
-
             from omegaconf import OmegaConf
 
             files = wandb.Artifact(f"run-{self.run.id}", type="model")
