@@ -8,7 +8,14 @@ import sys
 from launcher.launch.cli import main
 from launcher.launch.errors import hydra_errors_in_one_line
 from launcher.launch.slurm import submit_queued
+from launcher.launch.tracker_start import end_sweeps
 
-with hydra_errors_in_one_line():
-    main()
-sys.exit(submit_queued())
+failed = True
+try:
+    with hydra_errors_in_one_line():
+        main()
+    code = submit_queued()
+    failed = code != 0
+finally:
+    end_sweeps(failed)  # a -m sweep's parent tracker run ends once its points ran or were submitted
+sys.exit(code)

@@ -24,9 +24,9 @@ def grad_accum_steps(global_batch_size: int, micro_batch_size: int, world_size: 
     return global_batch_size // per_step
 
 
-# Keys that do not change the trajectory: where it runs, how often it logs, and the batch's split
+# Keys that do not change the trajectory: where it runs, how often and where it logs, and the batch's split
 # (micro_batch_size only changes accumulation at a fixed global batch).
-NOT_TRAJECTORY = {"plan", "launcher", "dist", "resume", "name"}
+NOT_TRAJECTORY = {"plan", "launcher", "dist", "resume", "name", "logger"}
 NOT_TRAJECTORY_TRAIN = {"log_every", "eval_every", "ckpt_every", "keep_checkpoints", "num_workers",
                         "persistent_workers", "prefetch_factor", "compile", "max_bad_steps", "log_samples",
                         "micro_batch_size", "max_micro_batch_size", "profile", "profile_ranks", "straggler_ratio"}

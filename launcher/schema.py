@@ -131,6 +131,41 @@ class ResumeConfig:
     allow_config_change: bool = False  # resume checkpoints trained with a different config
 
 
+class WandbMode(str, Enum):
+    offline = "offline"  # written under <run_dir>/wandb/; `wandb sync` uploads it later
+    online = "online"  # streamed to the W&B server (needs WANDB_API_KEY or `wandb login`)
+
+
+@dataclass
+class TensorBoardConfig:
+    """logger=[tensorboard]: event files in <run_dir>/tb/ (nothing to set)."""
+
+
+@dataclass
+class MlflowConfig:
+    # conf/logger/mlflow.yaml: $MLFLOW_TRACKING_URI, else the embedded store sqlite:///runs/mlflow.db
+    tracking_uri: Optional[str] = None
+    experiment: Optional[str] = None  # null: the experiment's name (`name`)
+    artifacts: bool = False  # also upload config.yaml, summary.json and the final checkpoint
+
+
+@dataclass
+class WandbConfig:
+    mode: WandbMode = WandbMode.offline
+    project: Optional[str] = None  # null: the experiment's name (`name`)
+    entity: Optional[str] = None  # null: the API key's default entity
+    artifacts: bool = False  # also upload config.yaml, summary.json and the final checkpoint
+
+
+@dataclass
+class LoggerConfig:
+    """Which trackers get the metrics: the options picked with logger=[...] are set, the others null."""
+
+    tensorboard: Optional[TensorBoardConfig] = None
+    mlflow: Optional[MlflowConfig] = None
+    wandb: Optional[WandbConfig] = None
+
+
 @dataclass
 class Config:
     name: str = "run"  # the experiment's name; part of the run dir
@@ -143,6 +178,7 @@ class Config:
     launcher: LauncherConfig = field(default_factory=LauncherConfig)
     dist: DistConfig = field(default_factory=DistConfig)
     resume: ResumeConfig = field(default_factory=ResumeConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
 
 
 def package_dir(name: str) -> str:

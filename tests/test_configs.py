@@ -1,7 +1,6 @@
 """Every config in conf/ composes, and every exp composes and builds on CPU (issue 2 test 6)."""
 from __future__ import annotations
 
-from pathlib import Path
 
 import pytest
 import torch
@@ -12,7 +11,7 @@ from conftest import CONF, compose_config
 from launcher.derived import ConfigError
 from launcher.launch.plan import make_plan, resolve
 
-GROUPS = ["model", "optimizer", "scheduler", "precision", "data", "launcher"]
+GROUPS = ["model", "optimizer", "scheduler", "precision", "data", "launcher", "logger"]
 OPTIONS = [(group, path.stem) for group in GROUPS for path in sorted((CONF / group).glob("*.yaml"))]
 EXPS = sorted(path.stem for path in (CONF / "exp").glob("*.yaml"))
 

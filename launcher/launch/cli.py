@@ -18,13 +18,17 @@ from omegaconf import DictConfig
 
 from launcher.derived import ConfigError
 from launcher.launch.checks import check_job_inputs
-from launcher.launch.environment import environment_record, redact_override
+from launcher.launch.environment import environment_record
 from launcher.launch.errors import release_stderr
 from launcher.launch.local import run_local, torchrun_args
 from launcher.launch.plan import Plan, make_plan, resolve, write_config
 from launcher.launch.resume import check_resume
 from launcher.launch.slurm import queue
+from launcher.launch.tracker_start import hydra_point, mark_failed, start_trackers
+from launcher.preempt import REQUEUE_EXIT_CODE
+from launcher.redact import redact_override
 from launcher.schema import register
+from launcher.tracker import write_record
 
 register()
 CONF_DIR = Path(__file__).resolve().parents[2] / "conf"  # the repo's conf/, as a file-system path
@@ -53,12 +57,15 @@ def main(cfg: DictConfig) -> None:
         config = resolve(cfg, plan)
         check_job_inputs(config)
         resume_step = check_resume(run_dir, config)
+        trackers = start_trackers(run_dir, config, hydra_point(run_dir), cfg.launcher.dry_run)  # the last check
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         discard_if_fresh(run_dir)
         sys.exit(2)
     config_path = write_config(run_dir, config)
     write_launch_record(run_dir, plan)
+    if trackers:  # every start of the workers (relaunch, restart, requeue) reopens these tracker runs
+        write_record(run_dir, trackers)
     if cfg.launcher.name == "slurm":  # submitted by __main__ once Hydra has run every sweep point
         queue(run_dir, config_path, plan, cfg.launcher)
         return
@@ -70,5 +77,7 @@ def main(cfg: DictConfig) -> None:
         print(f"dry run: would run python -m torch.distributed.run {' '.join(args)}", flush=True)
         return
     code = run_local(config_path, plan, cfg.launcher)
+    if code and code != REQUEUE_EXIT_CODE:
+        mark_failed(run_dir, code)
     if code:
         sys.exit(code)

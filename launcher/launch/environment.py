@@ -11,33 +11,17 @@ from __future__ import annotations
 import importlib.metadata
 import json
 import os
-import re
 import subprocess
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from launcher.redact import redact
+
 CODE = Path(__file__).resolve().parents[2]  # the checkout that holds launcher/ and jobs/
 ENV_PREFIXES = ("NCCL_", "TORCH_", "CUDA_", "PYTORCH_", "SLURM_")
-SECRET_NAME = re.compile(r"TOKEN|KEY|PASS|PWD|SECRET|CREDENTIAL|JWT|AUTH|COOKIE", re.IGNORECASE)
-URL_CREDENTIALS = re.compile(r"(://)[^/\s]+@")  # user:password@ in a URL
-URL_QUERY_SECRET = re.compile(r"([?&][^=&\s]*(?:token|sig|key|secret|pass|auth)[^=&\s]*=)[^&\s]+", re.IGNORECASE)
-REDACTED = "<redacted>"
 MAX_DIFF_BYTES = 1 << 20
-
-
-def redact(name: str, value: str) -> str:
-    """The value, unless the name says it is a secret; credentials inside URLs are cut out either way."""
-    if SECRET_NAME.search(name):
-        return REDACTED
-    return URL_QUERY_SECRET.sub(rf"\g<1>{REDACTED}", URL_CREDENTIALS.sub(rf"\g<1>{REDACTED}@", value))
-
-
-def redact_override(override: str) -> str:
-    """`key=value` as on the command line, with a secret value redacted."""
-    key, sep, value = override.partition("=")
-    return f"{key}{sep}{redact(key, value)}" if sep else override
 
 
 def _git(*args: str) -> str | None:

@@ -13,10 +13,12 @@ import os
 import re
 import sys
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Iterator
 
 from launcher import schema
 
+CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 _held: dict[str, object] = {}  # the real stderr while Hydra's output is held back
 
 
@@ -54,6 +56,7 @@ def condense(text: str) -> str:
         message += ": " + ", ".join(options)
     if "mkdir" in text and "Error" in message:  # Hydra creates the run dir before our code runs
         message = f"hydra.run.dir (or hydra.sweep.dir) cannot be created: {message}"
+    message = _group_hint(message)
     unknown = re.search(r"Key '([^']+)' not in '(\w+)'", message)
     if unknown and object_type:
         valid = _schema_fields(object_type)
@@ -63,6 +66,23 @@ def condense(text: str) -> str:
     elif full_key and full_key not in message:
         message = f"{full_key}: {message}"
     return message or "Hydra could not compose the config"
+
+
+def _group_hint(message: str) -> str:
+    """What Hydra says without naming the fix: a list option that does not exist (logger=[mlfow]), or a key
+    of a logger that is not on (logger.mlflow.artifacts=true without mlflow in logger=[...])."""
+    missing = re.search(r"Could not load '(\w+)/([^']+)'", message)
+    if missing:
+        options = sorted(p.stem for p in (CONF_DIR / missing.group(1)).glob("*.yaml"))
+        return f"{missing.group(1)}={missing.group(2)} is not an option of {missing.group(1)}/: {', '.join(options)}"
+    if "Unexpected type for root: NoneType" in message:
+        picked = next((a.split("=", 1)[1] for a in sys.argv[1:] if a.startswith("logger=")), "[tensorboard]")
+        for arg in sys.argv[1:]:
+            name = arg.split(".")[1] if arg.startswith("logger.") and arg.count(".") >= 2 else None
+            if name and name not in picked:
+                return (f"{arg.split('=', 1)[0]} is set but {name} is not in logger={picked}; add it, e.g. "
+                        f"logger=[tensorboard,{name}]")
+    return message
 
 
 @contextmanager

@@ -204,4 +204,5 @@ def train_state(run: Run, progress: Progress) -> dict[str, Any]:
             "scheduler": run.scheduler.state_dict(), "scaler": run.scaler.state_dict(),
             "config_hash": run.config_hash, "world_size": run.env.world_size,
             # train.micro_batch_size=auto's size, kept by a resume (a fixed size comes from the config)
-            "micro_batch_size": run.micro_batch_size if run.memory.enabled else None}
+            "micro_batch_size": run.micro_batch_size if run.memory.enabled else None,
+            "trackers": run.log.tracker_ids()}  # the tracker runs it belongs to (rank 0 writes it)

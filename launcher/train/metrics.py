@@ -1,7 +1,8 @@
 """The one place that writes run files and prints: rank 0 only, a no-op on every other rank.
 
-metrics.jsonl and TensorBoard (tb/) get the same scalars per logged step; summary.json the end of the
-run; samples.jsonl (with train.log_samples) every step's sample ids; preempted.json a preemption's step.
+metrics.jsonl and the trackers of logger=[...] (TensorBoard in tb/, MLflow, W&B: launcher/tracker.py)
+get the same scalars per logged step; summary.json the end of the run; samples.jsonl (with
+train.log_samples) every step's sample ids; preempted.json a preemption's step.
 On a TTY rank 0 shows a progress bar; elsewhere (CI, Slurm logs) a plain line per logged step.
 Exercised by: `python -m launcher +exp=toy` (look at <run_dir>/metrics.jsonl and tb/).
 """
@@ -14,16 +15,20 @@ from pathlib import Path
 from typing import Any
 
 from launcher.preempt import PREEMPTED_FILE
+from launcher.tracker import Resume, Trackers, open_trackers
 
 FALLING_SCALE_LOGS = 3  # an fp16 loss scale that fell at this many logged steps in a row is worth a warning
 STRAGGLER_LOGS = 3  # a rank slower than train.straggler_ratio x the median at this many logs in a row: warn
 
 
 class RunLog:
-    def __init__(self, run_dir: Path, enabled: bool, straggler_ratio: float = 1.2):
+    def __init__(self, run_dir: Path, enabled: bool, straggler_ratio: float = 1.2,
+                 config: dict[str, Any] | None = None):
         self.run_dir, self.enabled, self.straggler_ratio = run_dir, enabled, straggler_ratio
+        self.config = config if config is not None else {"logger": {"tensorboard": {}}}  # what picks the trackers
         self.start = time.time()
-        self._metrics = self._samples = self._tb = self._bar = None
+        self._metrics = self._samples = self._bar = None
+        self._trackers = Trackers(self.warn)
         self._scales: list[float] = []
         self._slowest: list[int | None] = []  # per log: the rank over the ratio, or None
 
@@ -31,13 +36,16 @@ class RunLog:
         """Keep only the records up to `step` (later ones belong to work a restart threw away); open files."""
         if not self.enabled:
             return
+        lost = False  # did an earlier start log steps after `step`? The trackers log them again
         for name in ("metrics.jsonl", "samples.jsonl"):
             path = self.run_dir / name
             if path.exists():
-                kept = [line for line in path.read_text().splitlines() if json.loads(line)["step"] <= step]
+                lines = path.read_text().splitlines()
+                kept = [line for line in lines if json.loads(line)["step"] <= step]
                 path.write_text("".join(line + "\n" for line in kept))
+                lost = lost or (name == "metrics.jsonl" and len(kept) < len(lines))
         self._metrics = open(self.run_dir / "metrics.jsonl", "a")
-        self._start_step = step
+        self._trackers = open_trackers(self.run_dir, self.config, Resume(step, lost), self.warn)
         if sys.stdout.isatty():
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
@@ -68,16 +76,10 @@ class RunLog:
         record = {**record, "time": round(time.time() - self.start, 3)}
         self._metrics.write(json.dumps(record) + "\n")
         self._metrics.flush()
-        if self._tb is None:  # made at the first log, not before the first step: the import is slow
-            from torch.utils.tensorboard import SummaryWriter
-
-            self._tb = SummaryWriter(str(self.run_dir / "tb"), purge_step=self._start_step + 1 if self._start_step
-                                     else None)
-        for key, value in record.items():
-            if isinstance(value, (int, float)) and not isinstance(value, bool) and key not in ("step", "time"):
-                self._tb.add_scalar(f"train/{key}", value, record["step"])
-        for key, value in record.get("eval", {}).items():
-            self._tb.add_scalar(f"eval/{key}", value, record["step"])
+        for kind, values in (("train", record), ("eval", record.get("eval", {}))):
+            scalars = {k: v for k, v in values.items() if _number(v) and k not in ("step", "time")}
+            if scalars:
+                self._trackers.call("log", record["step"], scalars, kind)
         shown = " | ".join(f"{k} {_fmt(v)}" for k, v in record.items() if k not in ("step", "time") and v is not None)
         if self._bar and "eval" not in record:  # a short status: a line wider than the terminal breaks the bar
             self._bar.update(self._task, status=" | ".join(
@@ -119,12 +121,14 @@ class RunLog:
     def preempted(self, step: int, signum: int) -> None:
         if self.enabled:
             (self.run_dir / PREEMPTED_FILE).write_text(json.dumps({"step": step, "signal": signum}) + "\n")
+            self._trackers.call("preempted", step)
             self.info(f"preempted by signal {signum}: checkpoint saved at step {step}")
 
     def summary(self, record: dict[str, Any]) -> None:
         if not self.enabled:
             return
         (self.run_dir / "summary.json").write_text(json.dumps(record, indent=2) + "\n")
+        self._trackers.call("finish", record)
         self.close()
         from rich.console import Console
         from rich.table import Table
@@ -145,10 +149,19 @@ class RunLog:
         if self._bar:
             self._bar.stop()
             self._bar = None
-        for file in (self._metrics, self._samples, self._tb):
+        for file in (self._metrics, self._samples):
             if file:
                 file.close()
-        self._metrics = self._samples = self._tb = None
+        self._metrics = self._samples = None
+        self._trackers.call("close")
+
+    def tracker_ids(self) -> dict[str, str]:
+        """The tracker runs this run logs to (kept in checkpoints too; trackers.json is the record)."""
+        return self._trackers.ids
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def _fmt(value: Any) -> str:

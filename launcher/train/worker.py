@@ -92,7 +92,9 @@ def build(cfg: DictConfig, run_dir: Path, env: launcher_dist.DistEnv) -> Run:
                keep_checkpoints=train_cfg.keep_checkpoints, max_bad_steps=train_cfg.max_bad_steps,
                log_samples=train_cfg.log_samples, num_workers=train_cfg.num_workers,
                persistent_workers=train_cfg.persistent_workers, prefetch_factor=train_cfg.prefetch_factor,
-               log=RunLog(run_dir, enabled=env.is_main, straggler_ratio=train_cfg.straggler_ratio), config_hash=config_hash(OmegaConf.to_container(cfg)),
+               log=RunLog(run_dir, enabled=env.is_main, straggler_ratio=train_cfg.straggler_ratio,
+                          config=OmegaConf.to_container(cfg)),
+               config_hash=config_hash(OmegaConf.to_container(cfg)),
                watchdog=Watchdog(run_dir, env.rank, cfg.dist.hang_timeout_s),
                profiler=StepProfiler(run_dir, env.rank, train_cfg.profile, list(train_cfg.profile_ranks), env.device))
 

@@ -1,0 +1,199 @@
+"""Experiment trackers behind RunLog (rank 0): TensorBoard, MLflow and W&B get what metrics.jsonl gets.
+
+One tracker run per training run: the parent opens it (launcher/launch/tracker_start.py) and records its id in
+<run_dir>/trackers.json; every start of the workers (a relaunch into the run dir, a torchrun restart, a
+Slurm requeue) reopens that run from there. A tracker that fails while training warns once and is off for
+the rest of that start: training never stops for a tracker, and metrics.jsonl keeps every record.
+Shared by the parent and the workers. Exercised by: `python -m launcher +exp=toy logger=[tensorboard,mlflow]`.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+from launcher.redact import REDACTED, redact
+
+TRACKERS_FILE = "trackers.json"  # the tracker runs of this run dir: {"mlflow": {"run_id": ...}, "wandb": {...}}
+LAUNCH_FILE = "launch.json"  # written by the parent: the git revision for the tags
+# A config key that names a secret, as a word of its last parts (not `tokenizer`, which names a model).
+SECRET_WORD = re.compile(r"(^|[._-])(tokens?|(api_?)?keys?|pass|passwd|passwords?|pwd|secrets?|credentials?|jwt|auth|"
+                         r"cookies?)($|[._-])", re.IGNORECASE)
+# `export WANDB_API_KEY=...` in a string (launcher.setup lines): the value goes, the name stays.
+ASSIGNED_SECRET = re.compile(r"""(\b\w*(?:token|key|pass|pwd|secret|credential|jwt|auth|cookie)\w*\s*=\s*["']?)"""
+                             r"""[^\s'"]+""", re.IGNORECASE)
+PACKAGES = {"mlflow": "mlflow-skinny sqlalchemy alembic", "wandb": "wandb"}  # what `pip install` needs
+
+
+@dataclass(frozen=True)
+class Resume:
+    """Where this start of the workers begins: `step` 0 is a fresh run; `lost` says that an earlier start
+    logged steps after `step` (its work was thrown away), which this start logs again."""
+
+    step: int
+    lost: bool
+
+
+class Tracker:
+    """What RunLog calls on rank 0; a backend overrides what it supports."""
+
+    name = "tracker"
+
+    def log(self, step: int, scalars: dict[str, float], kind: str) -> None:
+        """`kind` is "train" (loss, lr, ...) or "eval" (the eval metrics); keys without a prefix."""
+
+    def finish(self, summary: dict[str, Any]) -> None:
+        """The run is done: its summary (scalars and the final checkpoint's path)."""
+
+    def preempted(self, step: int) -> None:
+        """The run stops for a requeue; it resumes in the same tracker run."""
+
+    def close(self) -> None:
+        """Flush and let go (also after finish or preempted; called more than once)."""
+
+
+class TensorBoardTracker(Tracker):
+    """Event files in <run_dir>/tb/; a resumed run purges the events after its step (purge_step)."""
+
+    name = "tensorboard"
+
+    def __init__(self, run_dir: Path, resume: Resume):
+        purge = resume.step or resume.lost  # a restart before the first checkpoint purges from step 1
+        self.dir, self.purge_step, self._writer = run_dir / "tb", resume.step + 1 if purge else None, None
+
+    def log(self, step: int, scalars: dict[str, float], kind: str) -> None:
+        if self._writer is None:  # made at the first log, not before the first step: the import is slow
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._writer = SummaryWriter(str(self.dir), purge_step=self.purge_step)
+        for key, value in scalars.items():
+            self._writer.add_scalar(f"{kind}/{key}", value, step)
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+
+
+class Trackers:
+    """The trackers of this run, called together; the first failure of one warns once and turns it off."""
+
+    def __init__(self, warn: Callable[[str], None], record: dict[str, Any] | None = None):
+        self.warn, self.active = warn, []
+        # trackers.json's run ids, by tracker
+        self.ids = {name: entry.get("run_id") or entry.get("id") for name, entry in (record or {}).items()}
+
+    def add(self, name: str, make: Callable[[], Tracker]) -> None:
+        try:
+            self.active.append(make())
+        except Exception as err:
+            self._failed(name, err, "could not reopen its run")
+
+    def call(self, method: str, *args: Any) -> None:
+        for tracker in list(self.active):
+            try:
+                getattr(tracker, method)(*args)
+            except Exception as err:
+                self.active.remove(tracker)
+                self._failed(tracker.name, err, "failed")
+                try:
+                    tracker.close()
+                except Exception:
+                    pass
+
+    def _failed(self, name: str, err: Exception, what: str) -> None:
+        reason = redact("", (str(err).strip().splitlines() or [""])[0][:300])  # no credentials of a URI
+        self.warn(f"warning: {name} {what} ({type(err).__name__}: {reason}); training goes on without it "
+                  f"until the next start, metrics.jsonl keeps every record")
+
+
+def open_trackers(run_dir: Path, config: dict[str, Any], resume: Resume, warn: Callable[[str], None]) -> Trackers:
+    """The trackers that config["logger"] turns on, each reopening the run recorded in trackers.json."""
+    record = read_record(run_dir)
+    trackers = Trackers(warn, {name: record[name] for name, _ in enabled(config) if name in record})
+    for name, settings in enabled(config):
+        if name == "tensorboard":
+            trackers.add(name, lambda: TensorBoardTracker(run_dir, resume))
+        elif name not in record:
+            warn(f"warning: logger={name} is on but {run_dir / TRACKERS_FILE} names no {name} run (the workers "
+                 f"were not started by `python -m launcher`); {name} is off for this run")
+        elif name == "mlflow":
+            from launcher.mlflow_tracker import MlflowTracker
+
+            trackers.add(name, lambda: MlflowTracker(run_dir, config, settings, record[name], resume))
+        elif name == "wandb":
+            from launcher.wandb_tracker import WandbTracker
+
+            trackers.add(name, lambda: WandbTracker(run_dir, config, settings, record[name], resume))
+    return trackers
+
+
+def enabled(config: dict[str, Any]) -> Iterator[tuple[str, dict[str, Any]]]:
+    """(name, settings) of each logger picked with logger=[...] (the others are null)."""
+    for name, settings in (config.get("logger") or {}).items():
+        if settings is not None:
+            yield name, settings
+
+
+def read_record(run_dir: Path) -> dict[str, Any]:
+    path = run_dir / TRACKERS_FILE
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def write_record(run_dir: Path, record: dict[str, Any]) -> None:
+    path = run_dir / TRACKERS_FILE
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(record, indent=2) + "\n")
+    os.replace(tmp, path)
+
+
+def flat_params(config: dict[str, Any], prefix: str = "") -> dict[str, str]:
+    """The resolved config as dotted keys -> strings (MLflow params), secrets redacted."""
+    params = {}
+    for key, value in config.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict) and value:
+            params.update(flat_params(value, f"{name}."))
+        else:
+            value = redacted(name, value)
+            params[name] = value if isinstance(value, str) else json.dumps(value)
+    return params
+
+
+def redacted(name: str, value: Any) -> Any:
+    """A config value (nested or not) without secrets: a key that names one (data.api_key, logger.x.token)
+    hides its value; credentials inside a URL (user:password@, ?token=) and the value of a secret's
+    assignment (export WANDB_API_KEY=...) are cut out of any string."""
+    if isinstance(value, dict):
+        return {k: redacted(f"{name}.{k}" if name else k, v) for k, v in value.items()}
+    if SECRET_WORD.search(name):
+        return REDACTED
+    if isinstance(value, list):
+        return [redacted(name, v) for v in value]
+    return ASSIGNED_SECRET.sub(rf"\g<1>{REDACTED}", redact("", value)) if isinstance(value, str) else value
+
+
+def run_tags(run_dir: Path, config: dict[str, Any]) -> dict[str, str]:
+    """What a tracker run is tagged with at each start: the experiment, the code, the shape it runs on."""
+    launch = run_dir / LAUNCH_FILE
+    revision = (json.loads(launch.read_text()).get("git") or {}).get("revision") if launch.is_file() else None
+    tags = {"exp": config.get("name"), "git_sha": revision, "world_size": (config.get("plan") or {}).get("world_size"),
+            "precision": (config.get("precision") or {}).get("name")}
+    job, task = os.environ.get("SLURM_ARRAY_JOB_ID"), os.environ.get("SLURM_ARRAY_TASK_ID")
+    tags["slurm_job_id"] = f"{job}_{task}" if job and task else os.environ.get("SLURM_JOB_ID")
+    return {key: str(value) for key, value in tags.items() if value is not None}
+
+
+def summary_scalars(summary: dict[str, Any]) -> dict[str, float]:
+    """The numbers of summary.json (eval metrics as eval/<name>), for a tracker's run summary."""
+    clocks = ("started_unix_time", "first_step_unix_time")  # times of day, not results
+    scalars = {k: v for k, v in summary.items() if _number(v) and k not in clocks}
+    scalars.update({f"eval/{k}": v for k, v in (summary.get("eval") or {}).items() if _number(v)})
+    return scalars
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value == value  # not NaN
