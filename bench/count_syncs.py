@@ -52,7 +52,7 @@ def count(cfg: DictConfig, env: launcher_dist.DistEnv, config_path: str, steps: 
         if step == 1:
             calls_at.clear()
         train_step(run.model, run.task, windows[step], run.optimizer, ledger, run.scaler, run.precision,
-                   run.max_grad_norm, env.device, ComputeTimer(env.device, env.rank, env.world_size), run.memory)
+                   run.max_grad_norm, env.device, ComputeTimer(env.device, env.rank, env.world_size), run.out_of_memory)
     last_micro_batches = {k * run.grad_accum_steps for k in range(2, steps + 1)}
     return {"hook_calls_per_step": len(calls_at) / (steps - 1),
             "sync_rounds_per_step": len(set(calls_at)) / (steps - 1),

@@ -60,7 +60,7 @@ def observe(cfg: DictConfig, env: launcher_dist.DistEnv, config_path: str, mode:
             if step == 3:  # after the warm-up: first allocations, DDP's bucket rebuild, optimizer state
                 torch.cuda.set_sync_debug_mode("error")
             result = train_step(run.model, run.task, window, run.optimizer, ledger, run.scaler, run.precision,
-                                run.max_grad_norm, env.device, meter.timer, run.memory)
+                                run.max_grad_norm, env.device, meter.timer, run.out_of_memory)
             meter.add(window.step_samples, result.loss, window.n_tokens, 0.0)
         try:  # the control: a read of a GPU value does raise here
             result.loss.item()
@@ -83,7 +83,7 @@ def observe(cfg: DictConfig, env: launcher_dist.DistEnv, config_path: str, mode:
         for step in range(2):  # DDP rebuilds its buckets in grad-ready order after the first step
             calls["n"] = 0
             train_step(run.model, run.task, windows[step], run.optimizer, ledger, run.scaler, run.precision,
-                       run.max_grad_norm, env.device, ComputeTimer(env.device, env.rank, env.world_size), run.memory)
+                       run.max_grad_norm, env.device, ComputeTimer(env.device, env.rank, env.world_size), run.out_of_memory)
         ddp = run.model._get_ddp_logging_data()
         out["knobs"] = {"bucket_cap_bytes": ddp["bucket_cap_bytes"], "comm_hook": comm_hook,
                         "buckets": calls["n"],  # all-reduces in the second step
@@ -131,7 +131,7 @@ def observe(cfg: DictConfig, env: launcher_dist.DistEnv, config_path: str, mode:
         window = windows[step]
         skipped_before = progress.skipped_steps
         result = train_step(run.model, run.task, window, run.optimizer, ledger, run.scaler, run.precision,
-                            run.max_grad_norm, env.device, timer, run.memory)
+                            run.max_grad_norm, env.device, timer, run.out_of_memory)
         ledger.settle()  # what the loop does at its log steps: the step's skip and scheduler step are read
         out["steps"].append({
             "micro_batches": len(window.micro_batches), "sample_ids": window.sample_ids,

@@ -16,6 +16,7 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import read_metrics, run_cli
+from launcher.rundir import complete_steps
 from launcher.train.micro_batch import MICRO_BATCH_FILE, OUT_OF_MEMORY_EXIT_CODE, halved, sizes_to_try
 
 pytestmark = pytest.mark.slow
@@ -76,8 +77,8 @@ def test_probe_takes_the_largest_size_that_fits_on_every_rank(tmp_path: Path, fi
     """Rank 0 can hold 8, rank 1 only 4: both train with 4 (accumulation 4), and say why."""
     run_dir = tmp_path / "probe"
     log = launch(run_dir, *AUTO, "data.oom_rank=1", "data.oom_max_items=4")
-    assert "micro-batch 4, accumulation 4 (train.micro_batch_size=auto: probed: rank 0 tried 8 fits; rank 1 " \
-           "tried 8 out of memory, 4 fits" in log
+    assert "micro-batch 4, accumulation 4 (train.micro_batch_size=auto: tried rank 0: 8 fits; rank 1: 8 out of " \
+           "memory, 4 fits" in log
     assert set(per_step(run_dir, "micro_batch_size")) == {4} and set(per_step(run_dir, "grad_accum_steps")) == {4}
     summary = json.loads((run_dir / "summary.json").read_text())
     assert (summary["micro_batch_size"], summary["grad_accum_steps"]) == (4, 4)
@@ -129,40 +130,58 @@ def test_fp16_dropped_step_leaves_no_trace(tmp_path: Path) -> None:
     assert all(torch.equal(weights(run_dir)[k], v) for k, v in weights(switched).items())
 
 
-def test_out_of_memory_even_for_one_sample_ends_the_run_in_one_line(tmp_path: Path) -> None:
+@pytest.mark.parametrize("max_size, message", [
+    ("8", "rank 1 ran out of memory at step 5 even for one sample (CPU memory)"),  # 8 -> 4: its 1-sample backward
+    ("1", "rank 1 (CPU memory) ran out of memory at step 5 even with micro-batch 1"),  # nothing below 1
+], ids=["while-dropping-the-step", "at-micro-batch-1"])
+def test_out_of_memory_even_for_one_sample_ends_the_run_in_one_line(tmp_path: Path, max_size: str, message: str) -> None:
     """Rank 1 can hold nothing from step 5 on: the run fails with one line naming the rank and its memory,
-    exit code non-zero, and the checkpoint of step 4 is kept complete."""
+    exit code 1 (not 76: half the size would not help), and the checkpoint of step 4 is kept complete."""
     run_dir = tmp_path / "nothing-fits"
-    out = run_cli(*COMMON, *AUTO, "data.oom_rank=1", "data.oom_max_items=0", "data.oom_from_call=10",
+    from_call = 10 if max_size == "8" else 1 + 4 * 16 + 1  # the first loss computation of step 5
+    out = run_cli(*COMMON, "train.micro_batch_size=auto", f"train.max_micro_batch_size={max_size}",
+                  "data.oom_rank=1", "data.oom_max_items=0", f"data.oom_from_call={from_call}",
                   f"hydra.run.dir={run_dir}", cwd=tmp_path)
-    assert out.returncode not in (0, 2), out.stderr[-3000:]
+    assert out.returncode == 1, out.stderr[-3000:]
     error = [line for line in out.stderr.splitlines() if line.startswith("error: ")]
-    assert len(error) == 1 and "rank 1 ran out of memory at step 5 even for one sample (CPU memory)" in error[0], error
-    assert (run_dir / "checkpoints" / "4" / "COMPLETE").is_file()
-    assert not (run_dir / "checkpoints" / "8").exists()
+    assert len(error) == 1 and message in error[0], error
+    assert complete_steps(run_dir) == [4] and weights(run_dir, 4)
 
 
-def test_out_of_memory_inside_the_all_reduce_exits_and_the_next_start_halves(tmp_path: Path) -> None:
+def test_a_fixed_micro_batch_that_runs_out_ends_the_run_suggesting_auto(tmp_path: Path) -> None:
+    run_dir = tmp_path / "fixed"
+    out = run_cli(*COMMON, "train.micro_batch_size=8", "data.oom_rank=1", "data.oom_max_items=4",
+                  "data.oom_from_call=9", f"hydra.run.dir={run_dir}", cwd=tmp_path)  # step 5: no probe call first
+    assert out.returncode == 1, out.stderr[-3000:]
+    error = [line for line in out.stderr.splitlines() if line.startswith("error: ")]
+    assert len(error) == 1 and "rank 1 ran out of memory in step 5 (CPU memory; test: more than 4 samples" in error[0] \
+        and "with train.micro_batch_size=8; set train.micro_batch_size=auto" in error[0], error
+    assert not (run_dir / MICRO_BATCH_FILE).exists()
+
+
+@pytest.mark.parametrize("restarts", [0, 1], ids=["relaunch", "torchrun-restart"])
+def test_out_of_memory_inside_the_all_reduce_exits_and_the_next_start_halves(tmp_path: Path, restarts: int) -> None:
     """Rank 1 runs out in the backward of the micro-batch that syncs (no accumulation: every backward holds
     the all-reduce), at step 9: the step cannot be redone in-process. The workers exit with
-    OUT_OF_MEMORY_EXIT_CODE and one line; a relaunch resumes from step 8 with micro-batch 4, and the run ends
-    equal to one that never ran out of memory."""
+    OUT_OF_MEMORY_EXIT_CODE and one line, then a relaunch (or torchrun's restart, launcher.max_restarts=1)
+    resumes from step 8 with micro-batch 4, and the run ends equal to one that never ran out of memory."""
     shape = ("train.global_batch_size=16",)  # 8 per rank: micro-batch 8 means accumulation 1
     reference = tmp_path / "reference"
     launch(reference, "train.micro_batch_size=8", *shape)
     run_dir = tmp_path / "in-collective"
     # loss computations on rank 1: 1 probe trial, then one per step: the 10th is step 9
     oom = ("train.micro_batch_size=auto", *shape, "data.oom_rank=1", "data.oom_max_items=4", "data.oom_from_call=10",
-           "data.oom_in_backward=true")
-    log = launch(run_dir, *oom, expect=OUT_OF_MEMORY_EXIT_CODE)
-    error = [line for line in log.splitlines() if line.startswith("error: rank 1 failed")]
-    assert len(error) == 1 and "ran out of memory (CPU memory) at step 9 with micro-batch 8" in error[0] \
-        and "the next start resumes from the last checkpoint with micro-batch 4" in error[0] \
-        and f"relaunch with hydra.run.dir={run_dir}" in error[0], log[-3000:]
-    assert json.loads((run_dir / MICRO_BATCH_FILE).read_text())["micro_batch_size"] == 4
-    log = launch(run_dir, *oom)  # the same command again: the relaunch
-    assert "resumed from step 8" in log and f"kept from {MICRO_BATCH_FILE}: rank 1 ran out of memory at step 9 with " \
-        "micro-batch 8 where the step could not be redone" in log
+           "data.oom_in_backward=true", f"launcher.max_restarts={restarts}")
+    log = launch(run_dir, *oom, expect=0 if restarts else OUT_OF_MEMORY_EXIT_CODE)
+    where = "rank 1 ran out of memory in or after the gradient all-reduce of step 9"
+    why = json.loads((run_dir / MICRO_BATCH_FILE).read_text())
+    assert why == {"micro_batch_size": 4, "why": f"{where} with micro-batch 8, where a step cannot be redone"}
+    if not restarts:
+        error = [line for line in log.splitlines() if line.startswith("error: rank 1 failed")]
+        assert len(error) == 1 and where in error[0] and "the next start resumes from the last checkpoint with " \
+            f"micro-batch 4: relaunch with hydra.run.dir={run_dir}" in error[0], log[-3000:]
+        log = launch(run_dir, *oom)  # the same command again: the relaunch
+    assert "resumed from step 8" in log and f"kept from {MICRO_BATCH_FILE}: {where}" in log
     assert per_step(run_dir, "micro_batch_size") == [8] * 8 + [4] * (STEPS - 8)
     assert samples(run_dir) == samples(reference)
     assert_same_weights(run_dir, reference)

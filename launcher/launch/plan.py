@@ -107,7 +107,7 @@ def make_plan(cfg: DictConfig) -> Plan:
 def _accumulation(cfg: DictConfig, world_size: int) -> int | None:
     """K from the configured micro-batch; None for auto, where the workers find the micro-batch."""
     train, micro = cfg.train, cfg.train.micro_batch_size
-    if micro != "auto" and (not isinstance(micro, int) or micro <= 0):
+    if micro != "auto" and (not isinstance(micro, int) or isinstance(micro, bool) or micro <= 0):
         raise ConfigError(f"train.micro_batch_size={micro} is neither a positive integer nor auto")
     if micro != "auto":
         return grad_accum_steps(train.global_batch_size, micro, world_size)

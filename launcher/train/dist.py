@@ -84,10 +84,12 @@ def startup_timeout_s(startup_s: float, training_s: float) -> float:
     return startup_s if SET_PG_TIMEOUT else training_s
 
 
-def training_timeout(timeout_s: float) -> None:
-    """Start-up is over: from now on a collective that waits longer than timeout_s fails (every rank)."""
+def training_timeout(timeout_s: float, *groups: dist.ProcessGroup | None) -> None:
+    """Start-up is over: from now on a collective that waits longer than timeout_s fails (every rank), in the
+    main group and in `groups` (None: none)."""
     if SET_PG_TIMEOUT:
-        SET_PG_TIMEOUT(timedelta(seconds=timeout_s))
+        for group in (None, *(g for g in groups if g is not None)):
+            SET_PG_TIMEOUT(timedelta(seconds=timeout_s), group)
 
 
 def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:

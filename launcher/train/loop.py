@@ -44,7 +44,7 @@ class Run:
     data_plan: DataPlan
     grad_accum_steps: int  # with train.micro_batch_size=auto: set by micro_batch.choose, halved by shrink
     micro_batch_size: int
-    memory: micro_batch.OutOfMemoryAgreement  # auto only: ranks agree whether one ran out of memory (micro_batch.py)
+    out_of_memory: micro_batch.OutOfMemoryAgreement  # auto: ranks agree whether one ran out (micro_batch.py)
     max_steps: int
     max_grad_norm: float | None
     timeout_s: float  # collectives once the first step is done (dist.timeout_s)
@@ -112,9 +112,10 @@ def train(run: Run, progress: Progress, stop: StopFlag) -> dict[str, Any]:
     started, loss, preempted, first_step_at = time.perf_counter(), float("nan"), False, None
     for window, data_wait_s in timed(stream):
         run.watchdog.at("train", progress.step + 1)
+        run.out_of_memory.remember(run.module)  # auto: what a dropped attempt of this step gives back
         with run.profiler.step(progress.step + 1):
             result = train_step(run.model, run.task, window, run.optimizer, ledger, run.scaler, run.precision,
-                                run.max_grad_norm, run.env.device, meter.timer, run.memory,
+                                run.max_grad_norm, run.env.device, meter.timer, run.out_of_memory,
                                 stop_requested=stop.requested)
         if result is None:  # a rank ran out of memory before the gradient all-reduce; nothing has changed
             micro_batch.shrink(run, progress.step + 1)
@@ -123,7 +124,7 @@ def train(run: Run, progress: Progress, stop: StopFlag) -> dict[str, Any]:
         if first_step_at is None:  # start-up cost as users feel it: until the GPU has done the first step
             ledger.settle()
             first_step_at = time.time()
-            training_timeout(run.timeout_s)  # start-up is over: collectives fail after dist.timeout_s
+            training_timeout(run.timeout_s, run.out_of_memory.group)  # start-up is over: dist.timeout_s now
         progress.step += 1
         step = progress.step
         progress.samples += window.step_samples
@@ -204,5 +205,5 @@ def train_state(run: Run, progress: Progress) -> dict[str, Any]:
             "scheduler": run.scheduler.state_dict(), "scaler": run.scaler.state_dict(),
             "config_hash": run.config_hash, "world_size": run.env.world_size,
             # train.micro_batch_size=auto's size, kept by a resume (a fixed size comes from the config)
-            "micro_batch_size": run.micro_batch_size if run.memory.enabled else None,
+            "micro_batch_size": run.micro_batch_size if run.out_of_memory.enabled else None,
             "trackers": run.log.tracker_ids()}  # the tracker runs it belongs to (rank 0 writes it)

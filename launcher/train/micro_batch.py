@@ -12,6 +12,7 @@ import gc
 import json
 import os
 import sys
+from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
@@ -27,7 +28,8 @@ if TYPE_CHECKING:
 
 MICRO_BATCH_FILE = "micro_batch.json"  # the auto size in force: a restart or a resume goes on with it
 HEADROOM = 0.10  # the probe leaves this share of the GPU free: fragmentation, longer batches, NCCL buffers
-OUT_OF_MEMORY_EXIT_CODE = 76  # a rank ran out of memory where its step cannot be redone in-process
+OUT_OF_MEMORY_EXIT_CODE = 76  # auto ran out of memory where a step cannot be redone: the next start halves
+SMALLER = "use a smaller model, shorter inputs (data.max_length for text) or a lower precision"
 
 
 def sizes_to_try(share: int, bound: int) -> list[int]:
@@ -57,18 +59,23 @@ def free_memory(device: torch.device) -> None:
 
 
 class OutOfMemoryAgreement:
-    """Whether any rank ran out of memory in this step, agreed before the step's gradient all-reduce.
+    """Whether any rank ran out of memory in this step, agreed before the step's gradient all-reduce, and
+    what a dropped attempt must give back besides its gradients.
 
     On the host, over gloo: the flag is a Python bool the moment the allocator fails, so agreeing on it
-    never waits for the GPU (a CUDA plan gets a small gloo group for it). Off, and no collective at all,
-    unless train.micro_batch_size=auto: a fixed size that does not fit is the user's to change.
+    never waits for the GPU (a CUDA plan gets a small gloo group for it, with the same timeouts as the
+    main group: a rank stuck before the agreement fails the run after dist.timeout_s, as in the all-reduce).
+    Off, and no collective at all, unless train.micro_batch_size=auto: a fixed size is the user's to change.
     """
 
-    def __init__(self, enabled: bool, device: torch.device):
+    def __init__(self, enabled: bool, device: torch.device, timeout_s: float):
         self.enabled, self.device, self.ran_out_here = enabled, device, False
-        self.group = dist.new_group(backend="gloo") if enabled and device.type == "cuda" else None
+        self.group = (dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+                      if enabled and device.type == "cuda" else None)
+        self.saved: tuple[torch.Tensor, torch.Tensor | None, list[torch.Tensor]] | None = None
 
     def any_rank_ran_out(self, ran_out: bool) -> bool:
+        """Every rank, once per step (auto only); who_ran_out() then reads this rank's answer."""
         if not self.enabled:
             return False
         self.ran_out_here = ran_out
@@ -80,6 +87,23 @@ class OutOfMemoryAgreement:
         """`rank 1 (<its memory>)` for every rank that ran out in the agreed step; every rank calls it."""
         reports = all_gather_objects(memory_report(self.device) if self.ran_out_here else None)
         return ", ".join(f"rank {rank} ({report})" for rank, report in enumerate(reports) if report)
+
+    def remember(self, module: torch.nn.Module) -> None:
+        """Before a step (or the probe): the random streams and buffers (BatchNorm statistics) that its
+        forwards change, so that dropping it restores them. Host-side state and device copies: no wait."""
+        if self.enabled:
+            cuda = torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None
+            self.saved = (torch.get_rng_state(), cuda, [b.detach().clone() for b in module.buffers()])
+
+    def rewind(self, module: torch.nn.Module) -> None:
+        assert self.saved is not None, "rewind() without remember()"
+        cpu, cuda, buffers = self.saved
+        torch.set_rng_state(cpu)
+        if cuda is not None:
+            torch.cuda.set_rng_state(cuda, self.device)
+        with torch.no_grad():
+            for buffer, saved in zip(module.buffers(), buffers):
+                buffer.copy_(saved)
 
 
 def largest_batch(task: Task, size: int) -> dict[str, Any]:
@@ -165,29 +189,30 @@ def choose(run: Run, max_size: int | None, from_checkpoint: int | None) -> None:
         use(run, kept[source], f"kept from {source}" + (f": {record['why']}" if source == MICRO_BATCH_FILE else ""),
             record=False)
         return
+    run.out_of_memory.remember(run.module)  # the trials' forwards may not change what step 1 starts from
     size, tried = probe(run, sizes_to_try(share, min([bound, *kept.values()])))
+    run.out_of_memory.rewind(run.module)
     # A collective: every rank has read the record before rank 0 writes it
     found = all_gather_objects((size, tried, memory_report(run.env.device) if not size else None))
     agreed = min(size for size, _, _ in found)
     if not agreed:
         rank, (_, tried, report) = next((r, f) for r, f in enumerate(found) if not f[0])
         raise RuntimeError(f"train.micro_batch_size=auto: rank {rank} cannot fit even micro-batch 1 of the "
-                           f"job's largest batch ({report}); use a smaller model, data.max_length or precision")
+                           f"job's largest batch ({report}); {SMALLER}")
     where = "" if run.env.device.type == "cuda" else (
-        "; a CPU run is not probed for memory (the OS kills a process that runs out), so the largest size "
-        "that runs is taken")
-    use(run, agreed, "probed: " + "; ".join(f"rank {r} tried {', '.join(t)}" for r, (_, t, _) in enumerate(found))
-        + where)
+        "; on a CPU running out of memory is not caught (the OS kills the process), so the largest size that "
+        "runs is taken")
+    use(run, agreed, "tried " + "; ".join(f"rank {r}: {', '.join(t)}" for r, (_, t, _) in enumerate(found)) + where)
 
 
 def shrink(run: Run, step: int) -> None:
     """Every rank, after the agreed out-of-memory of `step`: drop the step and go on in micro-batches half
     the size, or end the run when there is no smaller size."""
-    who, smaller = run.memory.who_ran_out(), halved(share_of(run), run.micro_batch_size)
+    who, smaller = run.out_of_memory.who_ran_out(), halved(share_of(run), run.micro_batch_size)
     if smaller is None:
         raise RuntimeError(f"train.micro_batch_size=auto: {who} ran out of memory at step {step} even with "
                            f"micro-batch 1; the last complete checkpoint is kept in {run.run_dir / 'checkpoints'}; "
-                           f"use a smaller model, data.max_length or precision")
+                           f"{SMALLER}")
     drop_step(run, step)
     use(run, smaller, f"{who} ran out of memory at step {step} with micro-batch {run.micro_batch_size}; every "
                       f"rank redoes step {step}")
@@ -196,44 +221,52 @@ def shrink(run: Run, step: int) -> None:
 def drop_step(run: Run, step: int) -> None:
     """Forget the step's partial gradients and activations, then join DDP's gradient all-reduce once with
     a one-sample backward of zero: a rank whose last forward finished has DDP expecting that all-reduce
-    (its next no_sync backward would start it instead), so every rank enters it, alike."""
+    (its next no_sync backward would start it instead), so every rank enters it, alike. Then the random
+    streams and buffers go back to where the step started."""
     run.optimizer.zero_grad(set_to_none=True)
     free_memory(run.env.device)
     one = to_device(run.task.collate([run.task.train_set[0]]), run.env.device)
     try:
-        (run.task.loss_sum(run.model, one) * 0.0).backward()
+        with run.precision.autocast():
+            loss = run.task.loss_sum(run.model, one) * 0.0
+        loss.backward()
     except torch.OutOfMemoryError:  # with the step's memory freed: this rank cannot train at all
         raise RuntimeError(f"train.micro_batch_size=auto: rank {run.env.rank} ran out of memory at step {step} even "
                            f"for one sample ({memory_report(run.env.device)}); the last complete checkpoint is kept "
-                           f"in {run.run_dir / 'checkpoints'}; use a smaller model, data.max_length or precision"
-                           ) from None
+                           f"in {run.run_dir / 'checkpoints'}; {SMALLER}") from None
     run.optimizer.zero_grad(set_to_none=True)
+    run.out_of_memory.rewind(run.module)
     free_memory(run.env.device)
 
 
-def exit_out_of_memory(run: Run, step: int, auto: bool) -> NoReturn:
+def exit_out_of_memory(run: Run, error: torch.OutOfMemoryError) -> NoReturn:
     """Out of memory where the step cannot be redone: in or after its gradient all-reduce (the other ranks
     wait in a collective this rank will not finish), in eval or in a checkpoint. With auto, the next start
     (torchrun's restart with launcher.max_restarts, or a relaunch) resumes from the last checkpoint with half
-    the micro-batch. Exits at once: a clean shutdown could wait for the peers as long as they wait for us."""
-    where = f"rank {run.env.rank} ran out of memory ({memory_report(run.env.device)}) at step {step}"
+    the micro-batch, and the exit code says so (OUT_OF_MEMORY_EXIT_CODE); a fixed size exits with 1 (the
+    same size would run out again). Exits at once: a clean shutdown could wait as long as the peers do."""
+    phase, step = run.watchdog.phase, run.watchdog.step  # where the loop was: train, log, eval, checkpoint
+    auto = run.out_of_memory.enabled
+    place = (f"in {phase} after step {step}" if phase != "train" else  # auto redoes what comes before the all-reduce
+             f"in or after the gradient all-reduce of step {step}" if auto else f"in step {step}")
+    where = (f"rank {run.env.rank} ran out of memory {place} ({memory_report(run.env.device)}; "
+             f"{str(error).splitlines()[0][:200]})")
     smaller = halved(share_of(run), run.micro_batch_size) if auto else None
     if not auto:
         message = (f"{where} with train.micro_batch_size={run.micro_batch_size}; set train.micro_batch_size=auto "
                    f"(the largest size that fits, halved after running out) or a smaller size")
     elif smaller is None:
-        message = (f"train.micro_batch_size=auto: {where} even with micro-batch 1; use a smaller model, "
-                   f"data.max_length or precision")
+        message = f"train.micro_batch_size=auto: {where} even with micro-batch 1; {SMALLER}"
     else:
-        write_record(run.run_dir, smaller, f"rank {run.env.rank} ran out of memory at step {step} with micro-batch "
-                                           f"{run.micro_batch_size} where the step could not be redone")
+        write_record(run.run_dir, smaller, f"rank {run.env.rank} ran out of memory {place} with micro-batch "
+                                           f"{run.micro_batch_size}, where a step cannot be redone")
         restarts_left = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", 0)) - int(
             os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
-        message = (f"{where} with micro-batch {run.micro_batch_size}, in or after the gradient all-reduce where a "
-                   f"step cannot be redone; the next start resumes from the last checkpoint with micro-batch "
-                   f"{smaller}" + (" (torchrun restarts now)" if restarts_left > 0 else
-                                   f": relaunch with hydra.run.dir={run.run_dir}, or set launcher.max_restarts>=1"))
+        message = (f"{where} with micro-batch {run.micro_batch_size}, where a step cannot be redone; the next start "
+                   f"resumes from the last checkpoint with micro-batch {smaller}" +
+                   (" (torchrun restarts now)" if restarts_left > 0 else
+                    f": relaunch with hydra.run.dir={run.run_dir}, or set launcher.max_restarts>=1"))
     get_error_handler().record_exception(RuntimeError(message))  # the launcher's error line reads it
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(OUT_OF_MEMORY_EXIT_CODE)
+    os._exit(OUT_OF_MEMORY_EXIT_CODE if smaller else 1)

@@ -31,7 +31,7 @@ class StepResult:
 
 def train_step(model: DDP, task: Task, window: Window, optimizer: torch.optim.Optimizer, ledger: StepLedger,
                scaler: torch.amp.GradScaler, precision: Precision, max_grad_norm: float | None,
-               device: torch.device, timer: ComputeTimer, memory: OutOfMemoryAgreement,
+               device: torch.device, timer: ComputeTimer, out_of_memory: OutOfMemoryAgreement,
                stop_requested: bool = False) -> StepResult | None:
     """One optimizer step; None when a rank ran out of memory before the gradient all-reduce (with
     train.micro_batch_size=auto): then nothing changed, and every rank redoes the step in smaller pieces."""
@@ -48,11 +48,11 @@ def train_step(model: DDP, task: Task, window: Window, optimizer: torch.optim.Op
     try:
         last_loss, loss_sum = forward_until_sync(model, task, batches, weight, scale, scaler, precision)
     except torch.OutOfMemoryError:
-        if not memory.enabled:
+        if not out_of_memory.enabled:
             raise
         last_loss = None  # the traceback, and the activations its frames hold, go with this block
     timer.stop()  # the last backward waits for every rank's gradients
-    if memory.any_rank_ran_out(last_loss is None):  # agreed before the step's one gradient all-reduce
+    if out_of_memory.any_rank_ran_out(last_loss is None):  # agreed before the step's one gradient all-reduce
         return None  # every rank drops the step (micro_batch.shrink) and redoes it in smaller micro-batches
     scaler.scale(last_loss * scale).backward()  # DDP all-reduces the gradients during this backward
     loss_sum += last_loss.detach().float()

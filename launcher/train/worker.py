@@ -86,7 +86,9 @@ def build(cfg: DictConfig, run_dir: Path, env: launcher_dist.DistEnv) -> Run:
                grad_accum_steps=0 if auto else grad_accum_steps(train_cfg.global_batch_size,
                                                                  train_cfg.micro_batch_size, env.world_size),
                micro_batch_size=0 if auto else train_cfg.micro_batch_size,
-               memory=micro_batch.OutOfMemoryAgreement(auto, env.device), max_steps=train_cfg.max_steps,
+               out_of_memory=micro_batch.OutOfMemoryAgreement(
+                   auto, env.device, launcher_dist.startup_timeout_s(cfg.dist.startup_timeout_s, cfg.dist.timeout_s)),
+               max_steps=train_cfg.max_steps,
                max_grad_norm=train_cfg.max_grad_norm, timeout_s=cfg.dist.timeout_s, log_every=train_cfg.log_every,
                eval_every=train_cfg.eval_every, ckpt_every=train_cfg.ckpt_every,
                keep_checkpoints=train_cfg.keep_checkpoints, max_bad_steps=train_cfg.max_bad_steps,
@@ -148,15 +150,15 @@ def build_and_train(cfg: DictConfig, path: Path, env: launcher_dist.DistEnv, sto
         state = checkpoint.load_latest(path.parent, run.module, run.log.warn)
     progress = restore(run, state, cfg.train.seed, cfg.resume.allow_config_change)
     run.log.start_at(progress.step, run.max_steps)
-    if run.memory.enabled:  # train.micro_batch_size=auto: the model, and any resumed optimizer state, are in place
+    if run.out_of_memory.enabled:  # train.micro_batch_size=auto: the model, and any resumed optimizer state, are in place
         run.watchdog.at("micro-batch probe", progress.step)
         micro_batch.choose(run, cfg.train.max_micro_batch_size, state and state.get("micro_batch_size"))
     run.log.info(f"run dir {path.parent} | world size {env.world_size} | grad accum "
                  f"{run.grad_accum_steps} | precision {run.precision.name} | config {hashes[0]}")
     try:
         summary = train(run, progress, stop)
-    except torch.OutOfMemoryError:  # where a step cannot be redone: report, and exit for a restart
-        micro_batch.exit_out_of_memory(run, progress.step + 1, run.memory.enabled)
+    except torch.OutOfMemoryError as error:  # where a step cannot be redone: report, and exit for a restart
+        micro_batch.exit_out_of_memory(run, error)
     run.watchdog.close()  # done or preempted: what comes now (shutdown) is no hang of the loop
     run.profiler.close()  # a preemption inside train.profile's steps keeps what was recorded
     run.log.close()
