@@ -49,6 +49,8 @@ def _client(uri: str) -> Any:
     # No usage telemetry from the launcher's processes (it sends to MLflow's servers, and each process
     # waits for it at exit), unless the user asks for it.
     os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+    # Ending a run prints its URL, and for a server that is the tracking URI, credentials and all
+    os.environ.setdefault("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")
     try:
         import mlflow
         from mlflow import MlflowClient
@@ -57,7 +59,7 @@ def _client(uri: str) -> Any:
                           f"pip install -e '.[mlflow]'), or drop mlflow from logger=[...]") from None
     for name in ("mlflow", "alembic"):  # its INFO lines (creating tables, migrations) are not ours to show
         logging.getLogger(name).setLevel(logging.WARNING)
-    del mlflow
+    del mlflow  # imported to fail early, with the install hint, when only part of it is there
     return MlflowClient(uri)
 
 
@@ -160,8 +162,13 @@ def open_sweep_run(client: Any, experiment_id: str, run_id: str | None, name: st
     return client.create_run(experiment_id, run_name=name, tags={"launcher.sweep": "true"}).info.run_id
 
 
+def parent_http_limits() -> Any:
+    """The parent's MLflow HTTP limits (no retries, 15 s), unless the user set them."""
+    return _env_defaults(PARENT_HTTP)
+
+
 def end_run(uri: str, run_id: str, status: str) -> None:
-    with _env_defaults(PARENT_HTTP):
+    with parent_http_limits():
         _client(uri).set_terminated(run_id, status)
 
 
@@ -176,8 +183,6 @@ class MlflowTracker(Tracker):
         for key, value in WORKER_HTTP.items():  # this process only: rank 0 of this run
             os.environ.setdefault(key, value)
         uri = tracking_uri(settings)
-        if uri != settings["tracking_uri"]:  # MLflow would print the run's URL, credentials and all
-            os.environ.setdefault("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")
         from mlflow.entities import Metric, RunTag
 
         self._metric, self.run_dir, self.settings, self.config = Metric, run_dir, settings, config

@@ -28,6 +28,7 @@ CASES = {  # name: (overrides, or a function of tmp_path giving them; what the l
     "unknown key": (["+exp=toy", "train.micro_batchsize=4"], "did you mean train.micro_batch_size?"),
     "unknown group option": (["+exp=toy", "precision=fp8"], "Available options in 'precision': bf16, fp16, fp32"),
     "unknown exp": (["+exp=nope"], "Available options in 'exp': bench, bert, bert_mlm, toy"),
+    "unknown logger": (["+exp=toy", "logger=[mlfow]"], "logger=mlfow is not an option of logger/: mlflow, tensorboard, wandb"),
     "wrong type": (["+exp=toy", "train.max_steps=abc"], "train.max_steps=abc"),
     "indivisible batch": (["+exp=toy", "train.global_batch_size=30"],
                           "train.global_batch_size=30 is not divisible by train.micro_batch_size=8"),

@@ -144,7 +144,7 @@ def test_a_killed_rank_a_preemption_and_a_relaunch_continue_one_tracker_run(tmp_
     run_dir = tmp_path / "run"
     args = on_the_cpu_plan(["+exp=toy", "train.max_steps=60", "train.log_every=1", "train.eval_every=0",
                             "train.ckpt_every=20", "train.global_batch_size=16", "train.micro_batch_size=4",
-                            "data.sleep_s=0.01", "launcher.max_restarts=1", "logger=[tensorboard,mlflow,wandb]",
+                            "data.sleep_s=0.03", "launcher.max_restarts=1", "logger=[tensorboard,mlflow,wandb]",
                             f"hydra.run.dir={run_dir}"])
 
     def launch() -> subprocess.Popen:
@@ -178,7 +178,7 @@ def test_a_killed_rank_a_preemption_and_a_relaunch_continue_one_tracker_run(tmp_
     assert len(starts) == 3 and len({s["id"] for s in starts}) == 1  # three starts, one W&B run
     assert json.loads((run_dir / "trackers.json").read_text())["wandb"]["id"] == starts[0]["id"]
     assert starts[1]["rewind"] == 20  # the restart rewound the run to its checkpoint's step
-    assert starts[2]["rewind"] is not None or starts[2]["resumed"]
+    assert starts[2]["rewind"] is None  # the preemption lost no step: the relaunch simply resumes the run
     assert replay(starts) == pytest.approx(expected, rel=1e-6)
 
 
@@ -227,7 +227,7 @@ def test_wandb_offline_holds_the_history_a_resume_reuses_the_run_id_and_a_failin
     assert out.returncode == 0, out.stderr[-3000:]
     first, second = wandb_starts(run_dir)
     assert first["id"] == second["id"] == json.loads((run_dir / "trackers.json").read_text())["wandb"]["id"]
-    assert second["resumed"] and first["group"] == ""
+    assert first["group"] == ""  # one run id for both starts (above): W&B continued the same run
     assert {"exp:toy", "world_size:1", "precision:fp32"} <= set(first["tags"])
     assert [row["_step"] for row in first["history"] if "loss" in row] == list(range(1, 41))  # W&B went on
     assert [row["_step"] for row in second["history"] if "loss" in row] == list(range(41, 46))
@@ -242,13 +242,16 @@ def test_a_tracker_that_cannot_start_stops_the_launch_in_one_line(tmp_path: Path
     """A server that does not answer (credentials in its URI) and a URI MLflow does not know: exit 2,
     one line naming the key, no run dir; a relaunch into a run dir keeps the credentials out of it."""
     password = f"pw-{os.getpid()}-x"  # made here: the test's own source (in git.diff while edited) never holds it
-    for uri in (f"http://alice:{password}@127.0.0.1:9", "nope://tracking"):
+    (tmp_path / "a-file").write_text("")
+    for uri, fix in ((f"http://alice:{password}@127.0.0.1:9", "drop mlflow from logger=[...]"),
+                     ("nope://tracking", "drop mlflow from logger=[...]"),
+                     (f"sqlite:///{tmp_path}/a-file/mlflow.db", "point it at a writable path")):
         run_dir = tmp_path / "fresh"
         out = run_cli("+exp=toy", "logger=[tensorboard,mlflow]", f"logger.mlflow.tracking_uri={uri}",
                       f"hydra.run.dir={run_dir}", cwd=tmp_path, timeout=120)
         assert out.returncode == 2, out.stderr[-3000:]
         (line,) = out.stderr.strip().splitlines()
-        assert line.startswith("error: logger.mlflow.tracking_uri=") and "drop mlflow from logger=[...]" in line
+        assert line.startswith("error: logger.mlflow.tracking_uri") and fix in line, line
         assert password not in out.stdout + out.stderr and not run_dir.exists()
     existing = tmp_path / "existing"
     assert run_cli("+exp=toy", "launcher.dry_run=true", f"hydra.run.dir={existing}", cwd=tmp_path).returncode == 0

@@ -78,6 +78,6 @@ def main(cfg: DictConfig) -> None:
         return
     code = run_local(config_path, plan, cfg.launcher)
     if code and code != REQUEUE_EXIT_CODE:
-        mark_failed(run_dir, code)
+        mark_failed(run_dir, config, code)
     if code:
         sys.exit(code)

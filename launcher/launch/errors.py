@@ -18,7 +18,7 @@ from typing import Iterator
 
 from launcher import schema
 
-CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
 _held: dict[str, object] = {}  # the real stderr while Hydra's output is held back
 
 

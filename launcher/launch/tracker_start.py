@@ -102,16 +102,28 @@ def start_trackers(run_dir: Path, config: dict[str, Any], point: Point, dry_run:
     if "mlflow" in loggers:  # every check first: a failing one leaves no tracker run behind
         settings = loggers["mlflow"]
         if settings["tracking_uri"].startswith("sqlite:////"):  # the embedded store's folder (runs/)
-            Path(settings["tracking_uri"].removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
+            folder = Path(settings["tracking_uri"].removeprefix("sqlite:///")).parent
+            try:
+                folder.mkdir(parents=True, exist_ok=True)
+            except OSError as err:
+                raise ConfigError(f"logger.mlflow.tracking_uri: cannot make the SQLite store's folder {folder} "
+                                  f"({err.strerror}); point it at a writable path") from None
         store = mlflow_tracker.check_store(config, settings)
     if "wandb" in loggers:
         wandb_tracker.check_login(loggers["wandb"])
-    sweep = _sweep(point, config, store)
-    record = read_record(run_dir)
-    if store:
-        parent = sweep.record["mlflow"]["run_id"] if sweep else None
-        record["mlflow"] = mlflow_tracker.open_run(*store, config, record.get("mlflow"), point.name, parent)
-        record["mlflow"]["tracking_uri"] = loggers["mlflow"]["tracking_uri"]
+    try:  # a store that answered the check may still refuse to write (a read-only database)
+        sweep = _sweep(point, config, store)
+        record = read_record(run_dir)
+        if store:
+            parent = sweep.record["mlflow"]["run_id"] if sweep else None
+            record["mlflow"] = mlflow_tracker.open_run(*store, config, record.get("mlflow"), point.name, parent)
+            record["mlflow"]["tracking_uri"] = loggers["mlflow"]["tracking_uri"]
+    except ConfigError:
+        raise
+    except Exception as err:
+        raise ConfigError(f"logger.mlflow.tracking_uri={redact('', loggers['mlflow']['tracking_uri'])}: cannot open "
+                          f"the MLflow run ({type(err).__name__}: {redact('', str(err).splitlines()[0][:200])}); "
+                          f"check the store, or drop mlflow from logger=[...]") from None
     if "wandb" in loggers:
         group = sweep.record["wandb"]["group"] if sweep else None
         record["wandb"] = wandb_tracker.open_run(record.get("wandb"), point.name, group)
@@ -151,18 +163,19 @@ def end_sweeps(failed: bool) -> None:
         if sweep.mlflow:
             client, run_id = sweep.mlflow
             try:
-                client.set_terminated(run_id, "FAILED" if failed else "FINISHED")
+                with mlflow_tracker.parent_http_limits():  # a server gone meanwhile: fail fast, not retry for minutes
+                    client.set_terminated(run_id, "FAILED" if failed else "FINISHED")
             except Exception as err:
                 print(f"warning: could not end the sweep's MLflow run {run_id} ({type(err).__name__})",
                       file=sys.stderr)
     SWEEPS.clear()
 
 
-def mark_failed(run_dir: Path, code: int) -> None:
+def mark_failed(run_dir: Path, config: dict[str, Any], code: int) -> None:
     """The workers failed (a SIGKILLed rank 0 could not say so): the MLflow run ends FAILED (KILLED after a
     signal), not RUNNING."""
     entry = read_record(run_dir).get("mlflow")
-    if entry:
+    if entry and "mlflow" in dict(enabled(config)):  # not a run of an earlier launch that logged to MLflow
         try:
             status = "KILLED" if code > 128 else "FAILED"
             mlflow_tracker.end_run(mlflow_tracker.tracking_uri(entry), entry["run_id"], status)
