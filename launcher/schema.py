@@ -107,6 +107,8 @@ class LauncherConfig:
     array_parallelism: int = 16  # at most this many tasks of a -m sweep's job array run at once
     max_requeues: int = 3  # preemptions that requeue the job before it ends as failed
     wait: bool = False  # block until every job ends; exit non-zero if any failed
+    dependency: Optional[str] = None  # sbatch --dependency, e.g. afterok:1234 (afterany:, afternotok:, singleton)
+    after: Optional[str] = None  # a run dir submitted with launcher=slurm: start once its job has completed
     dry_run: bool = False  # check and resolve the config, print what would run or be submitted, start nothing
 
 

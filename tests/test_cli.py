@@ -154,3 +154,16 @@ def test_a_slurm_sweep_over_the_micro_batch_is_one_job_array(tmp_path: Path) -> 
     assert "dry run: would submit a job array of 3" in out.stdout, out.stdout[-2000:]
     assert [OmegaConf.load(tmp_path / "sweep" / str(i) / "config.yaml").plan.grad_accum_steps
             for i in range(3)] == [4, 2, None]
+
+
+def test_slurm_dependency_and_after_reach_sbatch(tmp_path: Path) -> None:
+    """launcher.after=<run dir> reads that run's job id; with launcher.dependency both go to sbatch, and a job
+    whose dependency can never be met is cancelled instead of pending forever (dry run: no cluster needed)."""
+    first = tmp_path / "first"
+    first.mkdir()
+    (first / "slurm.json").write_text(json.dumps({"job_id": "4242_1", "log_dir": str(first / "slurm")}))
+    out = run_cli("+exp=toy", "launcher=slurm", "launcher.dry_run=true", f"launcher.after={first}",
+                  "launcher.dependency=afterany:17", f"hydra.run.dir={tmp_path / 'second'}", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    params = json.loads(out.stdout.split("executor parameters: ", 1)[1].splitlines()[0])
+    assert params["additional_parameters"] == {"dependency": "afterany:17,afterok:4242_1", "kill_on_invalid_dep": "yes"}

@@ -174,3 +174,26 @@ def test_dry_run_prints_the_plan_and_submits_nothing(cluster, tmp_path: Path) ->
     assert '"partition": "debug"' in out.stdout and "--nnodes=2 --nproc-per-node=2" in out.stdout
     assert subprocess.run(["squeue", "-h"], capture_output=True, text=True).stdout.strip() == ""
     assert subprocess.run(["sacct", "-n", "-X", "-o", "JobID"], capture_output=True, text=True).stdout == before
+
+
+def sacct_times(job_id: str) -> tuple[str, str]:
+    out = subprocess.run(["sacct", "-n", "-X", "-P", "-j", job_id, "-o", "Start,End"], capture_output=True,
+                         text=True).stdout
+    start, end = out.strip().splitlines()[0].split("|")
+    return start, end  # ISO 8601: compared as strings
+
+
+def test_launcher_after_starts_a_job_once_the_named_run_completed(cluster, tmp_path: Path) -> None:
+    """Issue 15 (Slurm part): job B with launcher.after=<run dir of A> stays pending with reason Dependency
+    while A runs, and starts only once A has completed (sacct's times)."""
+    out = run_cli(*TOY, "launcher=slurm", "data.sleep_s=0.1", f"hydra.run.dir={tmp_path / 'a'}", cwd=tmp_path)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    ((job_a, run_a),) = submitted(out.stdout).items()
+    out = run_cli(*TOY, "launcher=slurm", f"launcher.after={run_a}", f"hydra.run.dir={tmp_path / 'b'}", cwd=tmp_path)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    ((job_b, _),) = submitted(out.stdout).items()
+    reason = subprocess.run(["squeue", "-h", "-j", job_b, "-o", "%T %r"], capture_output=True, text=True).stdout
+    assert reason.split() == ["PENDING", "Dependency"], (reason, slurm_state(job_a))
+    assert final_state(job_a, timeout_s=300) == "COMPLETED"
+    assert final_state(job_b, timeout_s=300) == "COMPLETED"
+    assert sacct_times(job_b)[0] >= sacct_times(job_a)[1]  # B started once A had ended

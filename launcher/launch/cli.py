@@ -23,7 +23,7 @@ from launcher.launch.errors import release_stderr
 from launcher.launch.local import run_local, torchrun_args
 from launcher.launch.plan import Plan, make_plan, resolve, write_config
 from launcher.launch.resume import check_resume
-from launcher.launch.slurm import queue
+from launcher.launch.slurm import dependency, queue
 from launcher.launch.tracker_start import hydra_point, mark_failed, start_trackers
 from launcher.preempt import REQUEUE_EXIT_CODE
 from launcher.redact import redact_override
@@ -57,6 +57,8 @@ def main(cfg: DictConfig) -> None:
         config = resolve(cfg, plan)
         check_job_inputs(config)
         resume_step = check_resume(run_dir, config)
+        if cfg.launcher.name == "slurm":
+            dependency(config["launcher"])  # launcher.dependency / launcher.after name a job that exists
         trackers = start_trackers(run_dir, config, hydra_point(run_dir), cfg.launcher.dry_run)  # the last check
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)

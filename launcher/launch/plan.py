@@ -54,6 +54,9 @@ def _shape(cfg: DictConfig) -> tuple[int, int, str]:
                               f"set launcher.gpus_per_node=0 for CPU workers")
         nproc = gpus or launcher.nproc_per_node or 2
         return launcher.nodes, nproc, "cuda" if gpus else "cpu"
+    for key in ("dependency", "after"):
+        if launcher.name == "local" and launcher[key]:
+            raise ConfigError(f"launcher.{key} orders Slurm jobs; add launcher=slurm, or drop launcher.{key}")
     if launcher.name != "local":
         raise ConfigError(f"launcher.name={launcher.name} is not one of local, slurm; pick launcher=local or "
                           f"launcher=slurm")

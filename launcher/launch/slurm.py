@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -53,9 +54,34 @@ def c10d_rendezvous(endpoint: str, rdzv_id: str) -> list[str]:
     return ["--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}", f"--rdzv-id={rdzv_id}"]
 
 
+DEPENDENCY = re.compile(r"^(singleton|(after|afterok|afternotok|afterany|aftercorr|afterburstbuffer)(:\d+(_\d+)?"
+                        r"(\+\d+)?)+)([,?](singleton|(after|afterok|afternotok|afterany|aftercorr)(:\d+(_\d+)?(\+\d+)?)+))*$")
+
+
+def dependency(launcher: dict[str, Any]) -> str | None:
+    """sbatch's --dependency from launcher.dependency and launcher.after (the job of that run dir must
+    complete first), or ConfigError naming the key."""
+    parts = []
+    if launcher["dependency"]:
+        if not DEPENDENCY.match(launcher["dependency"]):
+            raise ConfigError(f"launcher.dependency={launcher['dependency']} is not an sbatch dependency; e.g. "
+                              f"afterok:1234, afterany:1234:1235 or singleton")
+        parts.append(launcher["dependency"])
+    if launcher["after"]:
+        record = Path(launcher["after"]) / JOB_FILE
+        if not record.is_file():
+            raise ConfigError(f"launcher.after={launcher['after']} holds no {JOB_FILE}: name the run dir of a run "
+                              f"submitted with launcher=slurm")
+        parts.append(f"afterok:{json.loads(record.read_text())['job_id']}")
+    return ",".join(parts) or None
+
+
 def executor_parameters(launcher: dict[str, Any], plan: Plan, job_name: str) -> dict[str, Any]:
     """submitit.SlurmExecutor parameters: one task per node, which starts the node's workers itself."""
     extra = dict(launcher["additional_parameters"])
+    after = dependency(launcher)
+    if after:  # a job whose dependency can never be met (the first job failed) is cancelled, not left pending
+        extra.update({"dependency": after, "kill_on_invalid_dep": "yes"})
     preempt_signal = signal_named(launcher["signal"])
     if preempt_signal != signal.SIGUSR2:  # submitit writes --signal=USR2@delay; another signal replaces it
         extra["signal"] = f"{preempt_signal.name.removeprefix('SIG')}@{launcher['signal_delay_s']}"
