@@ -10,21 +10,14 @@ from __future__ import annotations
 
 import json
 import os
-import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from launcher.redact import REDACTED, redact
+from launcher.redact import redact, redacted
 
 TRACKERS_FILE = "trackers.json"  # the tracker runs of this run dir: {"mlflow": {"run_id": ...}, "wandb": {...}}
 LAUNCH_FILE = "launch.json"  # written by the parent: the git revision for the tags
-# A config key that names a secret, as a word of its last parts (not `tokenizer`, which names a model).
-SECRET_WORD = re.compile(r"(^|[._-])(tokens?|(api_?)?keys?|pass|passwd|passwords?|pwd|secrets?|credentials?|jwt|auth|"
-                         r"cookies?)($|[._-])", re.IGNORECASE)
-# `export WANDB_API_KEY=...` in a string (launcher.setup lines): the value goes, the name stays.
-ASSIGNED_SECRET = re.compile(r"""(\b\w*(?:token|key|pass|pwd|secret|credential|jwt|auth|cookie)\w*\s*=\s*["']?)"""
-                             r"""[^\s'"]+""", re.IGNORECASE)
 PACKAGES = {"mlflow": "mlflow-skinny sqlalchemy alembic", "wandb": "wandb"}  # what `pip install` needs
 
 
@@ -161,19 +154,6 @@ def flat_params(config: dict[str, Any], prefix: str = "") -> dict[str, str]:
             value = redacted(name, value)
             params[name] = value if isinstance(value, str) else json.dumps(value)
     return params
-
-
-def redacted(name: str, value: Any) -> Any:
-    """A config value (nested or not) without secrets: a key that names one (data.api_key, logger.x.token)
-    hides its value; credentials inside a URL (user:password@, ?token=) and the value of a secret's
-    assignment (export WANDB_API_KEY=...) are cut out of any string."""
-    if isinstance(value, dict):
-        return {k: redacted(f"{name}.{k}" if name else k, v) for k, v in value.items()}
-    if SECRET_WORD.search(name):
-        return REDACTED
-    if isinstance(value, list):
-        return [redacted(name, v) for v in value]
-    return ASSIGNED_SECRET.sub(rf"\g<1>{REDACTED}", redact("", value)) if isinstance(value, str) else value
 
 
 def run_tags(run_dir: Path, config: dict[str, Any]) -> dict[str, str]:

@@ -14,9 +14,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from launcher.redact import redact
+from launcher.redact import redact, redacted
 from launcher.derived import ConfigError
-from launcher.tracker import PACKAGES, Resume, Tracker, redacted, run_tags, summary_scalars
+from launcher.tracker import PACKAGES, Resume, Tracker, run_tags, summary_scalars
 
 
 def _wandb() -> Any:
