@@ -1,11 +1,13 @@
 """Formulas the parent and every worker compute alike: grad_accum_steps (global / (micro x world), and the
-ConfigError it raises) and config_hash (of the config's trajectory part; ranks and resumes compare it).
+ConfigError it raises), config_hash (of the config's trajectory part; ranks and resumes compare it), and
+what several nodes must agree on (node_view).
 Exercised by: tests/test_units.py and tests/test_cli.py.
 """
 from __future__ import annotations
 
 import hashlib
 import json
+from pathlib import Path
 from typing import Any
 
 
@@ -41,3 +43,25 @@ def trajectory_config(config: dict[str, Any]) -> dict[str, Any]:
 
 def config_hash(config: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(trajectory_config(config), sort_keys=True).encode()).hexdigest()[:16]
+
+
+def differing_keys(old: dict[str, Any], new: dict[str, Any], prefix: str = "") -> list[str]:
+    """Dotted keys whose values differ between two resolved configs."""
+    keys = []
+    for key in sorted(set(old) | set(new)):
+        a, b, name = old.get(key), new.get(key), f"{prefix}{key}"
+        if isinstance(a, dict) and isinstance(b, dict):
+            keys += differing_keys(a, b, f"{name}.")
+        elif a != b:
+            keys.append(name)
+    return keys
+
+
+# Several nodes (launcher=local, launcher.nnodes > 1): each node's launcher hands its workers what it
+# resolved, and the workers compare it across nodes before the first step.
+NODE_CONFIG = "LAUNCHER_NODE_CONFIG"
+
+
+def node_view(config: dict[str, Any], run_dir: Path) -> dict[str, Any]:
+    """What every node must agree on: the run dir, the plan, and everything that shapes the trajectory."""
+    return {"run_dir": str(run_dir), "plan": config["plan"], **trajectory_config(config)}

@@ -86,6 +86,11 @@ class LauncherConfig:
     name: str = "local"  # local (torchrun on this machine) or slurm (submitit)
     device: DeviceName = DeviceName.auto  # decided once in the parent; every worker uses the plan's device
     nproc_per_node: Optional[int] = None  # null: one per GPU, or 2 CPU workers when there is no GPU
+    # launcher=local on several machines: the same command on every node, one rendezvous (torchrun's c10d)
+    nnodes: int = 1
+    rdzv_endpoint: Optional[str] = None  # host:port every node reaches (the first node to arrive serves it)
+    rdzv_id: Optional[str] = None  # null: derived from the run dir, which every node shares
+    rdzv_timeout_s: int = 300  # how long a node waits for the endpoint and for the other nodes
     max_restarts: int = 0  # torchrun's elastic restarts of the whole worker group
     signal: str = "USR2"  # preemption signal besides SIGTERM (NCCL may own USR1)
     shutdown_timeout_s: int = 120  # after a signal, how long workers may take to checkpoint and exit

@@ -35,6 +35,7 @@ def test_readme_command_runs_as_written(args: list[str], tmp_path: Path, tiny_be
     (tmp_path / "corpus.txt").write_text("one line of text\nanother line\n")
     (tmp_path / "runs" / "pretrain").mkdir(parents=True)  # a run submitted with launcher=slurm (launcher.after)
     (tmp_path / "runs" / "pretrain" / "slurm.json").write_text('{"job_id": "1234", "log_dir": "slurm"}\n')
+    args = [arg.replace("=/shared/", f"={tmp_path}/shared/") for arg in args]  # the nodes' shared storage
     flags = 1 if args[:1] == ["-m"] else 0  # Hydra's own options (`--cfg job`) must stay last
     dry = [*args[:flags], "launcher.dry_run=true", *args[flags:]]
     # the hub may be named (model.pretrained=bert-base-uncased): the parent checks, it never downloads

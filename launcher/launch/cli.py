@@ -20,7 +20,7 @@ from launcher.derived import ConfigError
 from launcher.launch.checks import check_job_inputs
 from launcher.launch.environment import environment_record
 from launcher.launch.errors import release_stderr
-from launcher.launch.local import run_local, torchrun_args
+from launcher.launch.local import local_rendezvous, run_local, torchrun_args
 from launcher.launch.plan import Plan, make_plan, resolve, write_config
 from launcher.launch.resume import check_resume
 from launcher.launch.slurm import dependency, queue
@@ -48,12 +48,23 @@ def discard_if_fresh(run_dir: Path) -> None:
         shutil.rmtree(run_dir)
 
 
+def shared_run_dir(nnodes: int) -> None:
+    """Several nodes run the same command and must meet in one run dir: Hydra's default has each node's
+    own launch time and pid in it."""
+    given = {override.split("=", 1)[0].lstrip("+~") for override in HydraConfig.get().overrides.hydra}
+    if not {"hydra.run.dir", "hydra.sweep.dir"} & given:
+        raise ConfigError(f"launcher.nnodes={nnodes}: give every node the same hydra.run.dir=<a path on storage all "
+                          f"nodes see> (the default run dir holds each node's own launch time and pid)")
+
+
 @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")
 def main(cfg: DictConfig) -> None:
     release_stderr()  # Hydra composed the config: from here on our errors are one line already
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     try:
         plan = make_plan(cfg)
+        if plan.nnodes > 1 and cfg.launcher.name == "local":
+            shared_run_dir(plan.nnodes)
         config = resolve(cfg, plan)
         check_job_inputs(config)
         resume_step = check_resume(run_dir, config)
@@ -75,10 +86,10 @@ def main(cfg: DictConfig) -> None:
     print(f"run dir {run_dir} | {plan.world_size} worker(s) on {plan.device_type} | "
           f"grad accum {plan.grad_accum_steps or 'auto (the workers find the micro-batch)'}{resuming}", flush=True)
     if cfg.launcher.dry_run:  # the config is written and checked; show what would run, start nothing
-        args = torchrun_args(config_path, plan, cfg.launcher, ["--standalone"])
+        args = torchrun_args(config_path, plan, cfg.launcher, local_rendezvous(plan, cfg.launcher, run_dir))
         print(f"dry run: would run python -m torch.distributed.run {' '.join(args)}", flush=True)
         return
-    code = run_local(config_path, plan, cfg.launcher)
+    code = run_local(config_path, plan, cfg.launcher, config)
     if code and code != REQUEUE_EXIT_CODE:
         mark_failed(run_dir, config, code)
     if code:

@@ -1,24 +1,29 @@
 """Run the workers on this machine through torchrun's elastic agent, inside the parent process.
 
 `--standalone` gives a c10d rendezvous on a free localhost port, so two jobs on one host never clash
-on 29500. The agent relays SIGTERM and the preemption signal to every worker and gives them
+on 29500; with launcher.nnodes > 1 every node runs the same command and the agents meet at
+launcher.rdzv_endpoint. The agent relays SIGTERM and the preemption signal to every worker and gives them
 `launcher.shutdown_timeout_s` to checkpoint. Exercised by: `python -m launcher +exp=toy`.
 """
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import shutil
 import sys
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
 from omegaconf import DictConfig
 from torch.distributed import run as torchrun
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.elastic.rendezvous.api import RendezvousError
 
 from launcher.compat import fallback_notes, relay_signals, torchrun_shutdown_args, torchrun_signal_args
+from launcher.derived import NODE_CONFIG, node_view
 from launcher.launch.plan import Plan
 from launcher.preempt import PREEMPTED_FILE, REQUEUE_EXIT_CODE, preemption_signals, read_preempted
 from launcher.rundir import HANG_DIR, hang_summary
@@ -33,10 +38,31 @@ def torchrun_args(config_path: Path, plan: Plan, launcher: DictConfig, rendezvou
             *torchrun_shutdown_args(launcher.shutdown_timeout_s), "--module", "launcher.train.worker", str(config_path)]
 
 
-def run_local(config_path: Path, plan: Plan, launcher: DictConfig) -> int:
-    """All workers on this machine; returns the exit code: 0, REQUEUE_EXIT_CODE, or the failed rank's."""
+def c10d_rendezvous(endpoint: str, rdzv_id: str) -> list[str]:
+    """torchrun's rendezvous arguments for a multi-node job: every node's agent meets at `endpoint`."""
+    return ["--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}", f"--rdzv-id={rdzv_id}"]
+
+
+def local_rendezvous(plan: Plan, launcher: DictConfig, run_dir: Path) -> list[str]:
+    """--standalone on one node (a free localhost port); on several, c10d at launcher.rdzv_endpoint, whose
+    connection and wait for the other nodes both end after launcher.rdzv_timeout_s."""
+    if plan.nnodes == 1:
+        return ["--standalone"]
+    rdzv_id = launcher.rdzv_id or "launcher-" + hashlib.sha256(str(run_dir).encode()).hexdigest()[:12]
+    timeout = launcher.rdzv_timeout_s
+    return [*c10d_rendezvous(launcher.rdzv_endpoint, rdzv_id), f"--rdzv-conf=join_timeout={timeout},read_timeout={timeout}"]
+
+
+def run_local(config_path: Path, plan: Plan, launcher: DictConfig, config: dict[str, Any]) -> int:
+    """This node's workers; returns the exit code: 0, REQUEUE_EXIT_CODE, or the failed rank's. With several
+    nodes, each node's workers also get the config its own launcher resolved, to compare across nodes."""
     (config_path.parent / PREEMPTED_FILE).unlink(missing_ok=True)  # an earlier launch's marker means nothing
-    return run_agent(config_path, plan, launcher, ["--standalone"])
+    node = {NODE_CONFIG: json.dumps(node_view(config, config_path.parent))} if plan.nnodes > 1 else {}
+    return run_agent(config_path, plan, launcher, local_rendezvous(plan, launcher, config_path.parent), node)
+
+
+def rendezvous_endpoint(rendezvous: list[str]) -> str:
+    return next((arg.split("=", 1)[1] for arg in rendezvous if arg.startswith("--rdzv-endpoint=")), "localhost")
 
 
 def worker_env(plan: Plan, run_dir: Path) -> dict[str, str]:
@@ -76,11 +102,12 @@ def environment(updates: dict[str, str]) -> Iterator[None]:
         os.environ.update(before)
 
 
-def run_agent(config_path: Path, plan: Plan, launcher: DictConfig, rendezvous: list[str]) -> int:
+def run_agent(config_path: Path, plan: Plan, launcher: DictConfig, rendezvous: list[str],
+              extra_env: dict[str, str] | None = None) -> int:
     """Run torchrun's agent for this node's workers in this process and wait; returns the node's exit code."""
     run_dir, signals = config_path.parent, preemption_signals(launcher.signal)
     shutil.rmtree(run_dir / HANG_DIR, ignore_errors=True)  # reports of an earlier launch say nothing now
-    env = worker_env(plan, run_dir)
+    env = {**worker_env(plan, run_dir), **(extra_env or {})}
     if plan.device_type == "cuda":  # where the flight recorder dumps (torch does not make the folder)
         (run_dir / COMM_TRACES_DIR).mkdir(exist_ok=True)
     for note in fallback_notes(signals, launcher.shutdown_timeout_s):
@@ -90,6 +117,12 @@ def run_agent(config_path: Path, plan: Plan, launcher: DictConfig, rendezvous: l
             torchrun.run(torchrun.parse_args(torchrun_args(config_path, plan, launcher, rendezvous)))
     except SignalException as err:  # the agent relayed it and waited for the workers' checkpoint
         code = 128 + int(err.sigval)
+    except RendezvousError as err:  # an endpoint nobody serves, or nodes that never came
+        why = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        print(f"error: the rendezvous of {plan.nnodes} nodes at {rendezvous_endpoint(rendezvous)} failed: {why} "
+              f"(launcher.rdzv_timeout_s={launcher.rdzv_timeout_s}); start the same command on every node, with an "
+              f"endpoint they all reach", file=sys.stderr)
+        return 1
     except ChildFailedError as err:
         rank, failure = err.get_first_failure()
         code = failure.exitcode if failure.exitcode > 0 else 1

@@ -6,6 +6,7 @@ Exercised by: `python -m launcher +exp=toy train.global_batch_size=30` (fails: n
 from __future__ import annotations
 
 import os
+import platform
 import re
 import signal
 from dataclasses import asdict, dataclass
@@ -52,6 +53,9 @@ def _shape(cfg: DictConfig) -> tuple[int, int, str]:
         if device == "cpu" and gpus:
             raise ConfigError(f"launcher.device=cpu but launcher.gpus_per_node={gpus} asks Slurm for GPUs; "
                               f"set launcher.gpus_per_node=0 for CPU workers")
+        if launcher.nnodes != 1 or launcher.rdzv_endpoint:
+            raise ConfigError("launcher.nnodes and launcher.rdzv_endpoint are for launcher=local on several machines; "
+                              "on Slurm set launcher.nodes (the rendezvous is the job's first node)")
         nproc = gpus or launcher.nproc_per_node or 2
         return launcher.nodes, nproc, "cuda" if gpus else "cpu"
     for key in ("dependency", "after"):
@@ -60,13 +64,14 @@ def _shape(cfg: DictConfig) -> tuple[int, int, str]:
     if launcher.name != "local":
         raise ConfigError(f"launcher.name={launcher.name} is not one of local, slurm; pick launcher=local or "
                           f"launcher=slurm")
+    nnodes = _local_nodes(cfg)
     gpus = torch.cuda.device_count()
     if device == "cuda" and not gpus:
         raise ConfigError("launcher.device=cuda but torch sees no GPU on this node (torch.cuda.device_count() "
                           "is 0); use launcher.device=auto or launcher.device=cpu")
     device = device if device != "auto" else ("cuda" if gpus else "cpu")
     if device == "cpu":  # the GPUs, if any, are hidden from these workers
-        return 1, launcher.nproc_per_node or 2, "cpu"
+        return nnodes, launcher.nproc_per_node or 2, "cpu"
     nproc = launcher.nproc_per_node or gpus
     if nproc > gpus:
         raise ConfigError(f"launcher.nproc_per_node={nproc} but this node has {gpus} GPU(s); "
@@ -74,7 +79,21 @@ def _shape(cfg: DictConfig) -> tuple[int, int, str]:
     precision = getattr(cfg.precision.name, "value", cfg.precision.name)  # Enum when typed
     if precision == "bf16" and not torch.cuda.is_bf16_supported():
         raise ConfigError("precision=bf16 needs an Ampere or newer GPU; use precision=fp16 here")
-    return 1, nproc, "cuda"
+    return nnodes, nproc, "cuda"
+
+
+def _local_nodes(cfg: DictConfig) -> int:
+    """launcher.nnodes, checked: more than one node needs an endpoint every node reaches (torchrun would
+    otherwise make each node a world of its own, or wait forever)."""
+    _require_positive(cfg, "launcher.nnodes", "launcher.rdzv_timeout_s")
+    launcher = cfg.launcher
+    if launcher.nnodes > 1 and not launcher.rdzv_endpoint:
+        raise ConfigError(f"launcher.nnodes={launcher.nnodes} needs launcher.rdzv_endpoint=<host>:<port> that every "
+                          f"node reaches (e.g. the first node's address and a free port)")
+    endpoint = launcher.rdzv_endpoint
+    if endpoint and not re.fullmatch(r"[^\s:/]+:\d{1,5}", str(endpoint)):
+        raise ConfigError(f"launcher.rdzv_endpoint={endpoint} is not <host>:<port>; e.g. node001:29400")
+    return launcher.nnodes
 
 
 def make_plan(cfg: DictConfig) -> Plan:
@@ -152,7 +171,7 @@ def write_config(run_dir: Path, config: dict[str, Any]) -> Path:
     """Write <run_dir>/config.yaml atomically (temp file + rename), so no worker reads half a file."""
     run_dir.mkdir(parents=True, exist_ok=True)
     path = run_dir / "config.yaml"
-    tmp = path.with_suffix(".yaml.tmp")
+    tmp = path.with_suffix(f".yaml.{platform.node()}.{os.getpid()}.tmp")  # nodes may share the run dir
     tmp.write_text(OmegaConf.to_yaml(OmegaConf.create(config)))
     os.replace(tmp, path)
     return path

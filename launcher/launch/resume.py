@@ -8,20 +8,8 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
-from launcher.derived import ConfigError, trajectory_config
+from launcher.derived import ConfigError, differing_keys, trajectory_config
 from launcher.rundir import complete_steps
-
-
-def differing_keys(old: dict[str, Any], new: dict[str, Any], prefix: str = "") -> list[str]:
-    """Dotted keys whose values differ between two resolved configs."""
-    keys = []
-    for key in sorted(set(old) | set(new)):
-        a, b, name = old.get(key), new.get(key), f"{prefix}{key}"
-        if isinstance(a, dict) and isinstance(b, dict):
-            keys += differing_keys(a, b, f"{name}.")
-        elif a != b:
-            keys.append(name)
-    return keys
 
 
 def check_resume(run_dir: Path, config: dict[str, Any]) -> int | None:

@@ -20,7 +20,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from launcher.derived import ConfigError
 from launcher.launch.environment import record_slurm_job
-from launcher.launch.local import run_agent, torchrun_args
+from launcher.launch.local import c10d_rendezvous, run_agent, torchrun_args
 from launcher.launch.plan import Plan
 from launcher.preempt import PREEMPTED_FILE, REQUEUE_EXIT_CODE, read_preempted, signal_named
 
@@ -47,11 +47,6 @@ def rendezvous_port(job_id: str, restart: int) -> int:
     """A port per job and per requeue: jobs that share a node never clash (no fixed 29500)."""
     digits = int("".join(c for c in job_id if c.isdigit()) or 0)
     return 20000 + (digits * 31 + restart) % 20000
-
-
-def c10d_rendezvous(endpoint: str, rdzv_id: str) -> list[str]:
-    """torchrun's rendezvous arguments for a multi-node job: every node's agent meets at `endpoint`."""
-    return ["--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}", f"--rdzv-id={rdzv_id}"]
 
 
 DEPENDENCY = re.compile(r"^(singleton|(after|afterok|afternotok|afterany|aftercorr|afterburstbuffer)(:\d+(_\d+)?"

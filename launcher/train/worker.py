@@ -5,6 +5,8 @@ Exercised by: `torchrun --nproc-per-node 2 -m launcher.train.worker <run_dir>/co
 """
 from __future__ import annotations
 
+import json
+import os
 import random
 import sys
 from pathlib import Path
@@ -19,7 +21,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from launcher.compat import DDP_NO_FORWARD_BUFFER_SYNC
-from launcher.derived import config_hash, grad_accum_steps
+from launcher.derived import NODE_CONFIG, config_hash, differing_keys, grad_accum_steps
 from launcher.preempt import REQUEUE_EXIT_CODE, StopFlag, preemption_signals
 from launcher.train import checkpoint, micro_batch
 from launcher.train import dist as launcher_dist
@@ -145,6 +147,12 @@ def build_and_train(cfg: DictConfig, path: Path, env: launcher_dist.DistEnv, sto
     hashes = launcher_dist.all_gather_objects(run.config_hash)
     if len(set(hashes)) != 1:  # every rank must train the same config (hydra#2070)
         raise RuntimeError(f"ranks read different configs: {hashes}")
+    if NODE_CONFIG in os.environ:  # several nodes, each with its own launcher: did they resolve the same?
+        nodes = launcher_dist.all_gather_objects(json.loads(os.environ[NODE_CONFIG]))
+        rank, other = next(((r, view) for r, view in enumerate(nodes) if view != nodes[0]), (None, None))
+        if other is not None:
+            raise RuntimeError(f"the node of rank {rank} resolved another {', '.join(differing_keys(nodes[0], other))} "
+                               f"than the node of rank 0; run the same command, with the same hydra.run.dir, on every node")
     state = None
     if cfg.resume.mode != "never":
         state = checkpoint.load_latest(path.parent, run.module, run.log.warn)

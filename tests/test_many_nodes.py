@@ -1,0 +1,89 @@
+"""launcher=local on several machines (issue 15, static part): the same command on every node, one c10d
+rendezvous at launcher.rdzv_endpoint. Two "nodes" here are two launcher processes on this host, each with
+one CPU worker, meeting at 127.0.0.1.
+"""
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import on_the_cpu_plan, run_cli, subprocess_env
+
+pytestmark = pytest.mark.slow
+COMMON = ("+exp=toy", "model.dtype=float64", "data.dtype=float64", "train.max_steps=12", "train.eval_every=0",
+          "train.global_batch_size=16", "train.micro_batch_size=4")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def node(run_dir: Path, port: int, *overrides: str) -> subprocess.Popen:
+    args = on_the_cpu_plan([*COMMON, "launcher.nnodes=2", "launcher.nproc_per_node=1",
+                            f"launcher.rdzv_endpoint=127.0.0.1:{port}", "launcher.rdzv_timeout_s=60", *overrides,
+                            f"hydra.run.dir={run_dir}"])
+    return subprocess.Popen([sys.executable, "-m", "launcher", *args], cwd=run_dir.parent, env=subprocess_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def finish(proc: subprocess.Popen) -> tuple[int, str]:
+    out, err = proc.communicate(timeout=300)
+    return proc.returncode, out + err
+
+
+def errors(text: str) -> list[str]:
+    return [line for line in text.splitlines() if line.startswith("error: ")]
+
+
+def test_two_nodes_train_like_one_node_with_two_workers(tmp_path: Path) -> None:
+    """World size 2 from two launchers of one worker each; the float64 weights equal those of one node with
+    two workers at the same global batch."""
+    run_dir, port = tmp_path / "shared", free_port()
+    first, second = node(run_dir, port), node(run_dir, port)
+    for proc in (first, second):
+        code, text = finish(proc)
+        assert code == 0, text[-3000:]
+    reference = tmp_path / "one-node"
+    out = run_cli(*COMMON, "launcher.nproc_per_node=2", f"hydra.run.dir={reference}", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert json.loads((run_dir / "summary.json").read_text())["world_size"] == 2
+    ours, theirs = (load_file(d / "checkpoints" / "12" / "model.safetensors") for d in (run_dir, reference))
+    for key, value in theirs.items():
+        torch.testing.assert_close(ours[key], value, rtol=1e-10, atol=0)
+
+
+def test_nodes_that_resolved_different_configs_stop_naming_the_keys(tmp_path: Path) -> None:
+    run_dir, port = tmp_path / "shared", free_port()
+    first, second = node(run_dir, port), node(run_dir, port, "optimizer.lr=0.5")
+    for proc in (first, second):
+        code, text = finish(proc)
+        assert code != 0 and len(errors(text)) == 1, text[-3000:]
+        assert "resolved another optimizer.lr than the node of rank 0" in errors(text)[0], errors(text)
+
+
+def test_a_node_alone_or_an_endpoint_nobody_serves_is_one_line_within_the_timeout(tmp_path: Path) -> None:
+    for endpoint in (f"127.0.0.1:{free_port()}",  # this node serves it, the other never comes
+                     "192.0.2.1:29400"):  # TEST-NET-1: no host answers there
+        started = time.monotonic()
+        out = run_cli(*COMMON, "launcher.nnodes=2", "launcher.nproc_per_node=1", f"launcher.rdzv_endpoint={endpoint}",
+                      "launcher.rdzv_timeout_s=5", f"hydra.run.dir={tmp_path / 'alone'}", cwd=tmp_path, timeout=120)
+        assert out.returncode == 1 and len(errors(out.stderr)) == 1, out.stderr[-3000:]
+        assert f"the rendezvous of 2 nodes at {endpoint} failed" in errors(out.stderr)[0]
+        assert time.monotonic() - started < 60
+
+
+def test_several_nodes_need_an_endpoint_and_a_shared_run_dir(tmp_path: Path) -> None:
+    out = run_cli(*COMMON, "launcher.nnodes=2", f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)
+    assert out.returncode == 2 and "launcher.nnodes=2 needs launcher.rdzv_endpoint=<host>:<port>" in out.stderr
+    out = run_cli(*COMMON, "launcher.nnodes=2", "launcher.rdzv_endpoint=127.0.0.1:29400", cwd=tmp_path)
+    assert out.returncode == 2 and "give every node the same hydra.run.dir" in out.stderr, out.stderr
