@@ -87,7 +87,7 @@ class LauncherConfig:
     device: DeviceName = DeviceName.auto  # decided once in the parent; every worker uses the plan's device
     nproc_per_node: Optional[int] = None  # null: one per GPU, or 2 CPU workers when there is no GPU
     # launcher=local on several machines: the same command on every node, one rendezvous (torchrun's c10d)
-    nnodes: int = 1
+    nnodes: Union[int, str] = 1  # or "MIN:MAX": elastic, goes on with at least MIN nodes after losing one
     rdzv_endpoint: Optional[str] = None  # host:port every node reaches (the first node to arrive serves it)
     rdzv_id: Optional[str] = None  # null: derived from the run dir, which every node shares
     rdzv_timeout_s: int = 300  # how long a node waits for the endpoint and for the other nodes

@@ -1,10 +1,12 @@
-"""launcher=local on several machines (issue 15, static part): the same command on every node, one c10d
+"""launcher=local on several machines (issue 15): the same command on every node, one c10d
 rendezvous at launcher.rdzv_endpoint. Two "nodes" here are two launcher processes on this host, each with
 one CPU worker, meeting at 127.0.0.1.
 """
 from __future__ import annotations
 
 import json
+import os
+import signal
 import socket
 import subprocess
 import sys
@@ -87,3 +89,43 @@ def test_several_nodes_need_an_endpoint_and_a_shared_run_dir(tmp_path: Path) -> 
     assert out.returncode == 2 and "launcher.nnodes=2 needs launcher.rdzv_endpoint=<host>:<port>" in out.stderr
     out = run_cli(*COMMON, "launcher.nnodes=2", "launcher.rdzv_endpoint=127.0.0.1:29400", cwd=tmp_path)
     assert out.returncode == 2 and "give every node the same hydra.run.dir" in out.stderr, out.stderr
+
+
+def children(pid: int) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                found.append(int(entry.name))
+        except (OSError, ValueError, IndexError):
+            continue
+    return found
+
+
+def test_an_elastic_run_goes_on_without_a_lost_node(tmp_path: Path) -> None:
+    """launcher.nnodes=1:2: the second node (its launcher and its worker) is SIGKILLed after the step-4
+    checkpoint. The first node's agent restarts its worker in a world of one node, which resumes from the
+    last checkpoint at the same global batch (accumulation 2 -> 4) and ends equal, in float64, to one node
+    with two workers that never lost anything."""
+    run_dir, port = tmp_path / "shared", free_port()
+    elastic = ("launcher.nnodes=1:2", "launcher.max_restarts=1", "train.ckpt_every=4", "data.sleep_s=0.1")
+    first = node(run_dir, port, *elastic)
+    time.sleep(2)  # the first node serves the rendezvous: it must outlive the second
+    second = node(run_dir, port, *elastic)
+    deadline = time.monotonic() + 120
+    while not (run_dir / "checkpoints" / "4" / "COMPLETE").exists():
+        assert time.monotonic() < deadline and first.poll() is None, "no checkpoint at step 4"
+        time.sleep(0.05)
+    for pid in [*children(second.pid), second.pid]:
+        os.kill(pid, signal.SIGKILL)
+    second.communicate()
+    code, text = finish(first)
+    assert code == 0, text[-4000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["world_size"] == 1 and summary["restarts"] == 1 and summary["resumed_from"] >= 4
+    reference = tmp_path / "one-node"
+    out = run_cli(*COMMON, "launcher.nproc_per_node=2", f"hydra.run.dir={reference}", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    ours, theirs = (load_file(d / "checkpoints" / "12" / "model.safetensors") for d in (run_dir, reference))
+    for key, value in theirs.items():
+        torch.testing.assert_close(ours[key], value, rtol=1e-10, atol=0)

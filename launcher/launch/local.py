@@ -33,7 +33,8 @@ COMM_TRACES_DIR = "comm_traces"  # NCCL flight recorder dumps, one file per rank
 
 def torchrun_args(config_path: Path, plan: Plan, launcher: DictConfig, rendezvous: list[str]) -> list[str]:
     """torchrun's arguments for one node: `rendezvous` is --standalone here, c10d at the first node on Slurm."""
-    return [*rendezvous, f"--nnodes={plan.nnodes}", f"--nproc-per-node={plan.nproc_per_node}",
+    nnodes = f"{plan.min_nnodes}:{plan.nnodes}" if plan.min_nnodes else plan.nnodes
+    return [*rendezvous, f"--nnodes={nnodes}", f"--nproc-per-node={plan.nproc_per_node}",
             f"--max-restarts={launcher.max_restarts}", *torchrun_signal_args(preemption_signals(launcher.signal)),
             *torchrun_shutdown_args(launcher.shutdown_timeout_s), "--module", "launcher.train.worker", str(config_path)]
 

@@ -27,6 +27,7 @@ class Plan:
     world_size: int
     grad_accum_steps: int | None  # None: train.micro_batch_size=auto, decided by the workers
     device_type: str  # "cuda" or "cpu"
+    min_nnodes: int | None = None  # elastic (launcher.nnodes=MIN:MAX): the run may go on with this many nodes
 
 
 def _require_positive(cfg: DictConfig, *keys: str) -> None:
@@ -53,7 +54,7 @@ def _shape(cfg: DictConfig) -> tuple[int, int, str]:
         if device == "cpu" and gpus:
             raise ConfigError(f"launcher.device=cpu but launcher.gpus_per_node={gpus} asks Slurm for GPUs; "
                               f"set launcher.gpus_per_node=0 for CPU workers")
-        if launcher.nnodes != 1 or launcher.rdzv_endpoint:
+        if str(launcher.nnodes) != "1" or launcher.rdzv_endpoint:
             raise ConfigError("launcher.nnodes and launcher.rdzv_endpoint are for launcher=local on several machines; "
                               "on Slurm set launcher.nodes (the rendezvous is the job's first node)")
         nproc = gpus or launcher.nproc_per_node or 2
@@ -64,7 +65,7 @@ def _shape(cfg: DictConfig) -> tuple[int, int, str]:
     if launcher.name != "local":
         raise ConfigError(f"launcher.name={launcher.name} is not one of local, slurm; pick launcher=local or "
                           f"launcher=slurm")
-    nnodes = _local_nodes(cfg)
+    nnodes = local_nodes(cfg)[1]
     gpus = torch.cuda.device_count()
     if device == "cuda" and not gpus:
         raise ConfigError("launcher.device=cuda but torch sees no GPU on this node (torch.cuda.device_count() "
@@ -82,18 +83,22 @@ def _shape(cfg: DictConfig) -> tuple[int, int, str]:
     return nnodes, nproc, "cuda"
 
 
-def _local_nodes(cfg: DictConfig) -> int:
-    """launcher.nnodes, checked: more than one node needs an endpoint every node reaches (torchrun would
-    otherwise make each node a world of its own, or wait forever)."""
-    _require_positive(cfg, "launcher.nnodes", "launcher.rdzv_timeout_s")
-    launcher = cfg.launcher
-    if launcher.nnodes > 1 and not launcher.rdzv_endpoint:
-        raise ConfigError(f"launcher.nnodes={launcher.nnodes} needs launcher.rdzv_endpoint=<host>:<port> that every "
+def local_nodes(cfg: DictConfig) -> tuple[int, int]:
+    """(fewest, most) nodes of launcher.nnodes (N, or MIN:MAX for elastic), checked: more than one node
+    needs an endpoint every node reaches (torchrun would otherwise make each node a world of its own)."""
+    _require_positive(cfg, "launcher.rdzv_timeout_s")
+    launcher, nodes = cfg.launcher, str(cfg.launcher.nnodes)
+    found = re.fullmatch(r"(\d+)(?::(\d+))?", nodes)
+    fewest, most = (int(found.group(1)), int(found.group(2) or found.group(1))) if found else (0, 0)
+    if not 1 <= fewest <= most:
+        raise ConfigError(f"launcher.nnodes={nodes} is not a number of nodes N >= 1 or MIN:MAX (1 <= MIN <= MAX)")
+    if most > 1 and not launcher.rdzv_endpoint:
+        raise ConfigError(f"launcher.nnodes={nodes} needs launcher.rdzv_endpoint=<host>:<port> that every "
                           f"node reaches (e.g. the first node's address and a free port)")
     endpoint = launcher.rdzv_endpoint
     if endpoint and not re.fullmatch(r"[^\s:/]+:\d{1,5}", str(endpoint)):
         raise ConfigError(f"launcher.rdzv_endpoint={endpoint} is not <host>:<port>; e.g. node001:29400")
-    return launcher.nnodes
+    return fewest, most
 
 
 def make_plan(cfg: DictConfig) -> Plan:
@@ -122,8 +127,12 @@ def make_plan(cfg: DictConfig) -> Plan:
         raise ConfigError("dist.comm_hook=bf16 needs GPUs with NCCL; use dist.comm_hook=fp16 (or null) here")
     world_size = nnodes * nproc
     _check_profile(cfg.train.profile, list(cfg.train.profile_ranks), cfg.train.max_steps, world_size)
+    fewest = local_nodes(cfg)[0] if cfg.launcher.name == "local" else nnodes
+    for nodes in range(fewest, nnodes):  # elastic: every world the run may go on with must divide the batch
+        _accumulation(cfg, nodes * nproc)
     return Plan(nnodes=nnodes, nproc_per_node=nproc, world_size=world_size,
-                grad_accum_steps=_accumulation(cfg, world_size), device_type=device_type)
+                grad_accum_steps=_accumulation(cfg, world_size), device_type=device_type,
+                min_nnodes=fewest if fewest < nnodes else None)
 
 
 def _accumulation(cfg: DictConfig, world_size: int) -> int | None:

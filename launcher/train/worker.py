@@ -140,9 +140,11 @@ def main(config_path: str) -> None:
 
 def build_and_train(cfg: DictConfig, path: Path, env: launcher_dist.DistEnv, stop: StopFlag) -> dict[str, Any]:
     """Build the run, restore it from the latest checkpoint (unless resume=never), train; the summary."""
-    if env.world_size != cfg.plan.world_size:
+    plan = cfg.plan  # elastic (min_nnodes): any whole number of nodes from min_nnodes to nnodes
+    worlds = [n * plan.nproc_per_node for n in range(plan.get("min_nnodes") or plan.nnodes, plan.nnodes + 1)]
+    if env.world_size not in worlds:
         raise RuntimeError(f"WORLD_SIZE={env.world_size} but the plan in {path} says "
-                           f"{cfg.plan.world_size}; relaunch with python -m launcher")
+                           f"{' or '.join(map(str, worlds))}; relaunch with python -m launcher")
     run = build(cfg, path.parent, env)
     hashes = launcher_dist.all_gather_objects(run.config_hash)
     if len(set(hashes)) != 1:  # every rank must train the same config (hydra#2070)
