@@ -91,6 +91,7 @@ class LauncherConfig:
     rdzv_endpoint: Optional[str] = None  # host:port every node reaches (the first node to arrive serves it)
     rdzv_id: Optional[str] = None  # null: derived from the run dir, which every node shares
     rdzv_timeout_s: int = 300  # how long a node waits for the endpoint and for the other nodes
+    node_rank: Optional[int] = None  # a static rendezvous: this node's rank (0 serves the endpoint); null: c10d
     max_restarts: int = 0  # torchrun's elastic restarts of the whole worker group
     signal: str = "USR2"  # preemption signal besides SIGTERM (NCCL may own USR1)
     shutdown_timeout_s: int = 120  # after a signal, how long workers may take to checkpoint and exit

@@ -79,6 +79,8 @@ CASES = {  # name: (overrides, or a function of tmp_path giving them; what the l
     "elastic world that does not divide": (["+exp=toy", "launcher.nnodes=1:3", "launcher.rdzv_endpoint=node001:29400",
                                             "train.global_batch_size=48"],
                                            "train.global_batch_size=48 is not divisible by train.micro_batch_size=8 x world size 4"),
+    "node rank outside the nodes": (["+exp=toy", "launcher.nnodes=2", "launcher.rdzv_endpoint=node001:29400",
+                                     "launcher.node_rank=2"], "launcher.node_rank=2 needs a fixed launcher.nnodes"),
     "endpoint without a port": (["+exp=toy", "launcher.nnodes=2", "launcher.rdzv_endpoint=node001"],
                                 "launcher.rdzv_endpoint=node001 is not <host>:<port>"),
     "dependency without slurm": (["+exp=toy", "launcher.dependency=afterok:1"],

@@ -47,11 +47,13 @@ def errors(text: str) -> list[str]:
     return [line for line in text.splitlines() if line.startswith("error: ")]
 
 
-def test_two_nodes_train_like_one_node_with_two_workers(tmp_path: Path) -> None:
-    """World size 2 from two launchers of one worker each; the float64 weights equal those of one node with
-    two workers at the same global batch."""
+@pytest.mark.parametrize("rendezvous", ["c10d", "static"])
+def test_two_nodes_train_like_one_node_with_two_workers(tmp_path: Path, rendezvous: str) -> None:
+    """World size 2 from two launchers of one worker each (c10d: ranks by arrival; static: launcher.node_rank);
+    the float64 weights equal those of one node with two workers at the same global batch."""
     run_dir, port = tmp_path / "shared", free_port()
-    first, second = node(run_dir, port), node(run_dir, port)
+    ranks = (["launcher.node_rank=0"], ["launcher.node_rank=1"]) if rendezvous == "static" else ([], [])
+    first, second = node(run_dir, port, *ranks[0]), node(run_dir, port, *ranks[1])
     for proc in (first, second):
         code, text = finish(proc)
         assert code == 0, text[-3000:]

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from omegaconf import DictConfig
+from torch.distributed import DistNetworkError, DistStoreError
 from torch.distributed import run as torchrun
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -49,6 +50,9 @@ def local_rendezvous(plan: Plan, launcher: DictConfig, run_dir: Path) -> list[st
     connection and wait for the other nodes both end after launcher.rdzv_timeout_s."""
     if plan.nnodes == 1:
         return ["--standalone"]
+    if launcher.node_rank is not None:  # static: node 0 serves the endpoint, every node names its own rank
+        return ["--rdzv-backend=static", f"--rdzv-endpoint={launcher.rdzv_endpoint}",
+                f"--node-rank={launcher.node_rank}", f"--rdzv-conf=timeout={launcher.rdzv_timeout_s}"]
     rdzv_id = launcher.rdzv_id or "launcher-" + hashlib.sha256(str(run_dir).encode()).hexdigest()[:12]
     timeout = launcher.rdzv_timeout_s
     return [*c10d_rendezvous(launcher.rdzv_endpoint, rdzv_id), f"--rdzv-conf=join_timeout={timeout},read_timeout={timeout}"]
@@ -118,7 +122,7 @@ def run_agent(config_path: Path, plan: Plan, launcher: DictConfig, rendezvous: l
             torchrun.run(torchrun.parse_args(torchrun_args(config_path, plan, launcher, rendezvous)))
     except SignalException as err:  # the agent relayed it and waited for the workers' checkpoint
         code = 128 + int(err.sigval)
-    except RendezvousError as err:  # an endpoint nobody serves, or nodes that never came
+    except (RendezvousError, DistStoreError, DistNetworkError) as err:  # nobody serves the endpoint, nodes missing
         why = (str(err).strip().splitlines() or [type(err).__name__])[0]
         print(f"error: the rendezvous of {plan.nnodes} nodes at {rendezvous_endpoint(rendezvous)} failed: {why} "
               f"(launcher.rdzv_timeout_s={launcher.rdzv_timeout_s}); start the same command on every node, with an "

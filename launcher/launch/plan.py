@@ -98,6 +98,10 @@ def local_nodes(cfg: DictConfig) -> tuple[int, int]:
     endpoint = launcher.rdzv_endpoint
     if endpoint and not re.fullmatch(r"[^\s:/]+:\d{1,5}", str(endpoint)):
         raise ConfigError(f"launcher.rdzv_endpoint={endpoint} is not <host>:<port>; e.g. node001:29400")
+    rank = launcher.node_rank
+    if rank is not None and (fewest != most or not 0 <= rank < most):
+        raise ConfigError(f"launcher.node_rank={rank} needs a fixed launcher.nnodes greater than it (it is {nodes}); "
+                          f"give node ranks 0..N-1, or drop launcher.node_rank for an elastic c10d rendezvous")
     return fewest, most
 
 
