@@ -32,7 +32,7 @@ def test_toy_two_ranks_writes_a_complete_run_dir(tmp_path: Path) -> None:
     assert "${" not in text  # resolved once, in the parent
     config = OmegaConf.to_container(OmegaConf.load(run_dir / "config.yaml"))
     assert config["plan"] == {"nnodes": 1, "nproc_per_node": 2, "world_size": 2, "grad_accum_steps": 2,
-                              "device_type": "cpu"}
+                              "device_type": "cpu", "min_nnodes": None}
     metrics = read_metrics(run_dir)
     steps = [m for m in metrics if "loss" in m]
     assert [m["step"] for m in steps] == list(range(1, 21))
