@@ -1,14 +1,25 @@
 """The run dir's shared file names and their readers: what the workers write there (complete
-checkpoints, hang reports) as the parent reads it back, for resume, status and the error line.
+checkpoints, hang reports) as the parent reads it back, for resume, status and the error line; and the
+one way both sides replace a small run-dir file (write_atomically).
 Exercised by: tests/test_resume.py, tests/test_hang.py and `python -m launcher.launch.status <run dir>`.
 """
 from __future__ import annotations
 
 import json
+import os
+import platform
 from pathlib import Path
 
 MARKER = "COMPLETE"  # in checkpoints/<step>/ once every file of the checkpoint is written
 HANG_DIR = "hang"  # <run_dir>/hang/rank<N>.txt: a rank's hang report
+
+
+def write_atomically(path: Path, text: str) -> None:
+    """Replace `path` with `text` so that a reader sees the old file or the new one, never half of one. The
+    temp file is this host's and process's own: ranks, and nodes sharing the run dir, may write at once."""
+    tmp = path.with_name(f"{path.name}.{platform.node()}.{os.getpid()}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
 
 
 def complete_steps(run_dir: Path) -> list[int]:

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from launcher.redact import redact, redacted
+from launcher.rundir import write_atomically
 
 TRACKERS_FILE = "trackers.json"  # the tracker runs of this run dir: {"mlflow": {"run_id": ...}, "wandb": {...}}
 LAUNCH_FILE = "launch.json"  # written by the parent: the git revision for the tags
@@ -137,10 +138,7 @@ def read_record(run_dir: Path) -> dict[str, Any]:
 
 
 def write_record(run_dir: Path, record: dict[str, Any]) -> None:
-    path = run_dir / TRACKERS_FILE
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(record, indent=2) + "\n")
-    os.replace(tmp, path)
+    write_atomically(run_dir / TRACKERS_FILE, json.dumps(record, indent=2) + "\n")
 
 
 def flat_params(config: dict[str, Any], prefix: str = "") -> dict[str, str]:

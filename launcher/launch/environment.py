@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from launcher.redact import redact
+from launcher.rundir import write_atomically
 
 CODE = Path(__file__).resolve().parents[2]  # the checkout that holds launcher/ and jobs/
 ENV_PREFIXES = ("NCCL_", "TORCH_", "CUDA_", "PYTORCH_", "SLURM_")
@@ -91,6 +92,4 @@ def record_slurm_job(run_dir: Path) -> None:
     record = json.loads(path.read_text()) if path.is_file() else {}
     record["slurm_job"] = {name: redact(name, value) for name, value in sorted(os.environ.items())
                            if name.startswith("SLURM_")}
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(record, indent=2) + "\n")
-    os.replace(tmp, path)
+    write_atomically(path, json.dumps(record, indent=2) + "\n")

@@ -5,8 +5,6 @@ Exercised by: `python -m launcher +exp=toy train.global_batch_size=30` (fails: n
 """
 from __future__ import annotations
 
-import os
-import platform
 import re
 import signal
 from dataclasses import asdict, dataclass
@@ -18,6 +16,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from launcher.derived import ConfigError, grad_accum_steps
 from launcher.preempt import signal_named
+from launcher.rundir import write_atomically
 
 
 @dataclass(frozen=True)
@@ -184,7 +183,5 @@ def write_config(run_dir: Path, config: dict[str, Any]) -> Path:
     """Write <run_dir>/config.yaml atomically (temp file + rename), so no worker reads half a file."""
     run_dir.mkdir(parents=True, exist_ok=True)
     path = run_dir / "config.yaml"
-    tmp = path.with_suffix(f".yaml.{platform.node()}.{os.getpid()}.tmp")  # nodes may share the run dir
-    tmp.write_text(OmegaConf.to_yaml(OmegaConf.create(config)))
-    os.replace(tmp, path)
+    write_atomically(path, OmegaConf.to_yaml(OmegaConf.create(config)))
     return path

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors.handlers import get_error_handler
 
+from launcher.rundir import write_atomically
 from launcher.task import Task, to_device
 from launcher.train.dist import all_gather_objects
 
@@ -160,9 +161,8 @@ def read_record(run_dir: Path) -> dict[str, Any] | None:
 
 
 def write_record(run_dir: Path, size: int, why: str) -> None:
-    tmp = run_dir / (MICRO_BATCH_FILE + f".{os.getpid()}.tmp")
-    tmp.write_text(json.dumps({"micro_batch_size": size, "why": why}) + "\n")
-    os.replace(tmp, run_dir / MICRO_BATCH_FILE)  # several ranks may write the same size at once
+    # several ranks may write the same size at once
+    write_atomically(run_dir / MICRO_BATCH_FILE, json.dumps({"micro_batch_size": size, "why": why}) + "\n")
 
 
 def share_of(run: Run) -> int:
