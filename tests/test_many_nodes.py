@@ -18,6 +18,7 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import on_the_cpu_plan, run_cli, subprocess_env
+from test_resume import children
 
 pytestmark = pytest.mark.slow
 COMMON = ("+exp=toy", "model.dtype=float64", "data.dtype=float64", "train.max_steps=12", "train.eval_every=0",
@@ -91,17 +92,6 @@ def test_several_nodes_need_an_endpoint_and_a_shared_run_dir(tmp_path: Path) -> 
     assert out.returncode == 2 and "launcher.nnodes=2 needs launcher.rdzv_endpoint=<host>:<port>" in out.stderr
     out = run_cli(*COMMON, "launcher.nnodes=2", "launcher.rdzv_endpoint=127.0.0.1:29400", cwd=tmp_path)
     assert out.returncode == 2 and "give every node the same hydra.run.dir" in out.stderr, out.stderr
-
-
-def children(pid: int) -> list[int]:
-    found = []
-    for entry in Path("/proc").iterdir():
-        try:
-            if entry.name.isdigit() and int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
-                found.append(int(entry.name))
-        except (OSError, ValueError, IndexError):
-            continue
-    return found
 
 
 def test_an_elastic_run_goes_on_without_a_lost_node(tmp_path: Path) -> None:

@@ -71,17 +71,26 @@ def sample_stream(run_dir: Path) -> list[tuple[int, list[int]]]:
     return [(r["step"], r["sample_ids"]) for r in map(json.loads, lines)]
 
 
-def worker_pid(parent: int, rank: int) -> int:
-    """The pid of the worker process with RANK=rank started by the launcher `parent`."""
+def children(parent: int) -> list[int]:
+    """The pids of the processes whose parent is `parent` (a launcher's workers are its children)."""
+    found = []
     for entry in Path("/proc").iterdir():
         try:
-            stat = (entry / "stat").read_text()
-            ppid = int(stat.rsplit(")", 1)[1].split()[1])
-            environ = (entry / "environ").read_bytes().split(b"\0")
-        except (OSError, ValueError, IndexError):
+            if entry.name.isdigit() and int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == parent:
+                found.append(int(entry.name))
+        except (OSError, ValueError, IndexError):  # gone meanwhile
             continue
-        if ppid == parent and f"RANK={rank}".encode() in environ:
-            return int(entry.name)
+    return found
+
+
+def worker_pid(parent: int, rank: int) -> int:
+    """The pid of the worker process with RANK=rank started by the launcher `parent`."""
+    for pid in children(parent):
+        try:
+            if f"RANK={rank}".encode() in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
+                return pid
+        except OSError:
+            continue
     raise LookupError(f"no rank {rank} worker under {parent}")
 
 
