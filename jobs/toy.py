@@ -11,14 +11,27 @@ import torch
 from torch import nn
 
 
-def MLP(in_features: int, hidden: int, out_features: int, depth: int = 2, dtype: str = "float32") -> nn.Module:
+def MLP(in_features: int, hidden: int, out_features: int, depth: int = 2, dtype: str = "float32",
+        host_read: bool = False) -> nn.Module:
     layers: list[nn.Module] = []
     width = in_features
     for _ in range(depth - 1):
         layers += [nn.Linear(width, hidden), nn.Tanh()]
         width = hidden
     layers.append(nn.Linear(width, out_features))
-    return nn.Sequential(*layers).to(getattr(torch, dtype))
+    # tests: host_read reads a value of the activations on the host mid-forward, which breaks a compiled graph
+    return (HostReadingSequential if host_read else nn.Sequential)(*layers).to(getattr(torch, dtype))
+
+
+class HostReadingSequential(nn.Sequential):
+    """An MLP whose forward reads a tensor value on the host (a graph break under torch.compile)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in list(self)[:-1]:
+            x = layer(x)
+        if x.abs().max().item() > 1e6:  # .item(): dynamo stops its graph here and starts another after
+            x = x.clamp(-1e6, 1e6)
+        return self[-1](x)
 
 
 class ToyRegression:

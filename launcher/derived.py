@@ -26,11 +26,18 @@ def grad_accum_steps(global_batch_size: int, micro_batch_size: int, world_size: 
     return global_batch_size // per_step
 
 
+# torch.compile's modes (train.compile_mode). The CUDA-graph ones overwrite a graph's outputs at its next
+# replay, which breaks gradient accumulation over micro-batches (pytorch#169545): the parent refuses them
+# with accumulation.
+CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
+COMPILE_MODES = ("default", "max-autotune-no-cudagraphs", *CUDA_GRAPH_MODES)
+
 # Keys that do not change the trajectory: where it runs, how often and where it logs, and the batch's split
 # (micro_batch_size only changes accumulation at a fixed global batch).
 NOT_TRAJECTORY = {"plan", "launcher", "dist", "resume", "name", "logger"}
 NOT_TRAJECTORY_TRAIN = {"log_every", "eval_every", "ckpt_every", "keep_checkpoints", "num_workers",
-                        "persistent_workers", "prefetch_factor", "compile", "max_bad_steps", "log_samples",
+                        "persistent_workers", "prefetch_factor", "compile", "compile_mode",
+                        "compile_dynamic", "compile_fullgraph", "max_bad_steps", "log_samples",
                         "micro_batch_size", "max_micro_batch_size", "profile", "profile_ranks", "straggler_ratio"}
 
 

@@ -60,6 +60,11 @@ class TrainConfig:
     persistent_workers: bool = True  # keep them between epochs of the loader (with num_workers > 0)
     prefetch_factor: int = 2  # windows each worker prepares ahead
     compile: bool = False  # torch.compile the model (DDP wraps the compiled module: gradients still sync)
+    # torch.compile's mode: null (torch's default), default, max-autotune-no-cudagraphs, or the CUDA-graph
+    # modes reduce-overhead and max-autotune (only without gradient accumulation: pytorch#169545)
+    compile_mode: Optional[str] = None
+    compile_dynamic: Optional[bool] = None  # null: static shapes, dynamic after the first shape change
+    compile_fullgraph: bool = False  # a graph break is an error instead of a warning
     tf32: bool = True  # TF32 matmuls on Ampere+ GPUs
     log_samples: bool = False  # write every step's sample ids to samples.jsonl (for audits and tests)
     straggler_ratio: float = 1.2  # warn when one rank's compute stays this much over the median's (3 logs)

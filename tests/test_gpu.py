@@ -79,8 +79,24 @@ def test_a_steady_step_never_waits_for_the_gpu(tmp_path: Path, exp: str, precisi
 
 def test_compile_on_cuda_trains(tmp_path: Path) -> None:
     run_dir = run_ok(tmp_path, "+exp=toy", *ONE_GPU, "train.compile=true", "train.max_steps=40", "train.log_every=5")
-    losses = [m["loss"] for m in read_metrics(run_dir) if "loss" in m]
-    assert losses[-1] < losses[0]
+    steps = [m for m in read_metrics(run_dir) if "loss" in m]
+    assert steps[-1]["loss"] < steps[0]["loss"]
+    assert all((m["compiled_graphs"], m["graph_breaks"]) == (1, 0) for m in steps)  # nothing recompiles or breaks
+
+
+def test_cuda_graph_mode_captures_every_graph_and_trains_like_the_default_mode(tmp_path: Path) -> None:
+    """train.compile_mode=reduce-overhead with one micro-batch per step (the parent refuses accumulation):
+    inductor skips no CUDA graph, and the losses are those of compile's default mode (the same kernels)."""
+    one_micro_batch = ("+exp=toy", *ONE_GPU, "train.compile=true", "train.micro_batch_size=32", "train.max_steps=40",
+                       "train.log_every=5")
+    losses = {}
+    for mode in ("default", "reduce-overhead"):
+        (tmp_path / mode).mkdir()
+        steps = [m for m in read_metrics(run_ok(tmp_path / mode, *one_micro_batch, f"train.compile_mode={mode}"))
+                 if "loss" in m]
+        assert all(m.get("cudagraph_skips", 0) == 0 for m in steps)
+        losses[mode] = [m["loss"] for m in steps]
+    assert losses["reduce-overhead"] == pytest.approx(losses["default"], rel=1e-4)
 
 
 def test_loader_processes_hand_over_pinned_windows(tmp_path: Path) -> None:

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from launcher.derived import ConfigError, grad_accum_steps
+from launcher.derived import COMPILE_MODES, CUDA_GRAPH_MODES, ConfigError, grad_accum_steps
 from launcher.preempt import signal_named
 from launcher.rundir import write_atomically
 
@@ -131,11 +131,32 @@ def make_plan(cfg: DictConfig) -> Plan:
     world_size = nnodes * nproc
     _check_profile(cfg.train.profile, list(cfg.train.profile_ranks), cfg.train.max_steps, world_size)
     fewest = local_nodes(cfg)[0] if cfg.launcher.name == "local" else nnodes
-    for nodes in range(fewest, nnodes):  # elastic: every world the run may go on with must divide the batch
-        _accumulation(cfg, nodes * nproc)
+    # elastic: every world the run may go on with must divide the batch (the last one is this plan's)
+    accumulations = [_accumulation(cfg, nodes * nproc) for nodes in range(fewest, nnodes + 1)]
+    _check_compile(cfg.train, accumulations)
     return Plan(nnodes=nnodes, nproc_per_node=nproc, world_size=world_size,
-                grad_accum_steps=_accumulation(cfg, world_size), device_type=device_type,
+                grad_accum_steps=accumulations[-1], device_type=device_type,
                 min_nnodes=fewest if fewest < nnodes else None)
+
+
+def _check_compile(train: DictConfig, accumulations: list[int | None]) -> None:
+    """train.compile_* only with train.compile=true; CUDA-graph modes only without accumulation."""
+    mode = train.compile_mode
+    if mode is not None and mode not in COMPILE_MODES:
+        raise ConfigError(f"train.compile_mode={mode} is not one of null, {', '.join(COMPILE_MODES)}")
+    if not train.compile:
+        for key, unset in (("compile_mode", None), ("compile_dynamic", None), ("compile_fullgraph", False)):
+            if train[key] != unset:
+                raise ConfigError(f"train.{key}={train[key]} has no effect without train.compile=true; "
+                                  f"add train.compile=true or drop train.{key}")
+    accumulation = next((k for k in accumulations if k != 1), 1)  # None: auto decides in the workers
+    if mode in CUDA_GRAPH_MODES and accumulation != 1:
+        # CUDA graphs overwrite their outputs at the next replay, gradients of earlier micro-batches too
+        raise ConfigError(f"train.compile_mode={mode} captures CUDA graphs, which break gradient accumulation "
+                          f"(pytorch#169545) and this run accumulates "
+                          f"{'an automatic number of' if accumulation is None else accumulation} micro-batches per "
+                          f"step; set train.micro_batch_size to global_batch_size / world size (one micro-batch "
+                          f"per step) or use train.compile_mode=max-autotune-no-cudagraphs")
 
 
 def _accumulation(cfg: DictConfig, world_size: int) -> int | None:

@@ -16,7 +16,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from launcher.preempt import StopFlag, ignore_in_data_workers
 from launcher.task import Task, to_device
-from launcher.train import checkpoint, micro_batch
+from launcher.train import checkpoint, compiled, micro_batch
+from launcher.train.compiled import CompileWatch
 from launcher.train.data import DataPlan, StepWindows, Window, WindowStream, eval_batches, window_loader
 from launcher.train.dist import DistEnv, all_gather_objects, all_reduce_sum, training_timeout
 from launcher.train.ledger import Progress, StepLedger
@@ -61,6 +62,7 @@ class Run:
     config_hash: str
     watchdog: Watchdog  # writes a hang report when the loop stands still (launcher/train/watchdog.py)
     profiler: StepProfiler  # records train.profile's steps (launcher/train/profile.py)
+    compile_watch: CompileWatch  # what torch.compile compiled since the last log (launcher/train/compiled.py)
 
 
 @torch.no_grad()
@@ -110,9 +112,12 @@ def train(run: Run, progress: Progress, stop: StopFlag) -> dict[str, Any]:
                   peak_flops(run.env.device, run.precision.name), run.env.rank, run.env.world_size)
     ledger = step_ledger(run, progress)
     started, loss, preempted, first_step_at = time.perf_counter(), float("nan"), False, None
+    compile_counts: dict[str, int] = {}
     for window, data_wait_s in timed(stream):
         run.watchdog.at("train", progress.step + 1)
         run.out_of_memory.remember(run.module)  # auto: what a dropped attempt of this step gives back
+        if run.compile_watch.cuda_graphs:  # a new step: CUDA-graph outputs of the last one may be reused now
+            torch.compiler.cudagraph_mark_step_begin()
         with run.profiler.step(progress.step + 1):
             result = train_step(run.model, run.task, window, run.optimizer, ledger, run.scaler, run.precision,
                                 run.max_grad_norm, run.env.device, meter.timer, run.out_of_memory,
@@ -146,6 +151,11 @@ def train(run: Run, progress: Progress, stop: StopFlag) -> dict[str, Any]:
                       "skipped_steps": progress.skipped_steps}
             if run.scaler.is_enabled():
                 record["loss_scale"] = run.scaler.get_scale()
+            if run.compile_watch.enabled:  # every rank: a recompile on any rank stalls them all
+                compile_counts, warnings = compiled.combine(all_gather_objects(run.compile_watch.read()))
+                record.update(compile_counts)
+                for warning in warnings:
+                    run.log.warn(f"step {step}: {warning}")
             loss = record["loss"]
             run.log.metrics(record, run.max_steps)
 
@@ -171,7 +181,7 @@ def train(run: Run, progress: Progress, stop: StopFlag) -> dict[str, Any]:
                "precision": run.precision.name, "skipped_steps": progress.skipped_steps,
                "restarts": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)), "config_hash": run.config_hash,
                "peak_mem_mb": peak_memory_mb(run.env.device), "started_unix_time": run.log.start,
-               "first_step_unix_time": first_step_at}
+               "first_step_unix_time": first_step_at, **compile_counts}
     if preempted:
         return summary
     run.watchdog.at("final eval", progress.step)

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
+from torch._dynamo.exc import TorchDynamoException
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -25,6 +26,7 @@ from launcher.derived import NODE_CONFIG, config_hash, differing_keys, grad_accu
 from launcher.preempt import REQUEUE_EXIT_CODE, StopFlag, preemption_signals
 from launcher.train import checkpoint, micro_batch
 from launcher.train import dist as launcher_dist
+from launcher.train.compiled import CompileWatch, compile_module, failure_line
 from launcher.train.data import DataPlan
 from launcher.train.ledger import Progress
 from launcher.train.loop import Run, train
@@ -56,9 +58,8 @@ def build(cfg: DictConfig, run_dir: Path, env: launcher_dist.DistEnv) -> Run:
     model = instantiate(cfg.model).to(env.device)
     if env.device.type == "cuda" and train_cfg.tf32:  # TF32 matmuls on Ampere+: ~free speed for fp32 parts
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
-    # Compile the module and wrap THAT in DDP: DDP's gradient hooks stay on the parameters, so gradients
-    # are still synchronized (compiling ddp.module after wrapping is what breaks it, pytorch#109774).
-    trained = torch.compile(model) if train_cfg.compile else model
+    trained = compile_module(model, train_cfg.compile_mode, train_cfg.compile_dynamic,
+                             train_cfg.compile_fullgraph) if train_cfg.compile else model
     ddp = DDP(trained, device_ids=[env.local_rank] if env.device.type == "cuda" else None,
               bucket_cap_mb=cfg.dist.bucket_cap_mb, gradient_as_bucket_view=cfg.dist.gradient_as_bucket_view,
               static_graph=cfg.dist.static_graph, find_unused_parameters=cfg.dist.find_unused_parameters,
@@ -100,6 +101,7 @@ def build(cfg: DictConfig, run_dir: Path, env: launcher_dist.DistEnv) -> Run:
                           config=OmegaConf.to_container(cfg)),
                config_hash=config_hash(OmegaConf.to_container(cfg)),
                watchdog=Watchdog(run_dir, env.rank, cfg.dist.hang_timeout_s),
+               compile_watch=CompileWatch(train_cfg.compile, train_cfg.compile_mode),
                profiler=StepProfiler(run_dir, env.rank, train_cfg.profile, list(train_cfg.profile_ranks), env.device))
 
 
@@ -169,6 +171,8 @@ def build_and_train(cfg: DictConfig, path: Path, env: launcher_dist.DistEnv, sto
         summary = train(run, progress, stop)
     except torch.OutOfMemoryError as error:  # where a step cannot be redone: report, and exit for a restart
         micro_batch.exit_out_of_memory(run, error)
+    except TorchDynamoException as error:  # dynamo's report spans a screen; the launcher shows one line
+        raise RuntimeError(failure_line(error, cfg.train.compile_fullgraph)) from error
     run.watchdog.close()  # done or preempted: what comes now (shutdown) is no hang of the loop
     run.profiler.close()  # a preemption inside train.profile's steps keeps what was recorded
     run.log.close()

@@ -1,0 +1,82 @@
+"""torch.compile (issue 11): the launcher's step adds no graph break or recompile to a compiled model, what
+does recompile or break is reported with its reason, and the train.compile_* keys reach torch. Real
+2-rank gloo runs; tests/test_gpu.py runs the CUDA-graph mode on a GPU."""
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from conftest import read_metrics, run_cli
+
+pytestmark = pytest.mark.slow
+SMALL_BERT = ("model.layers=2", "model.hidden=64", "model.heads=2", "data.seq_len=32", "data.n_samples=256")
+
+
+def compiled_run(tmp_path: Path, name: str, *overrides: str, exp: str = "toy") -> tuple[Path, subprocess.CompletedProcess]:
+    run_dir = tmp_path / name
+    out = run_cli(f"+exp={exp}", "train.compile=true", *overrides, f"hydra.run.dir={run_dir}", cwd=tmp_path)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
+    return run_dir, out
+
+
+def logged(run_dir: Path) -> list[dict]:
+    return [m for m in read_metrics(run_dir) if "loss" in m]
+
+
+def compile_warnings(out: subprocess.CompletedProcess) -> list[str]:
+    return [line for line in out.stderr.splitlines() if "warning: torch.compile" in line]
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_the_step_around_a_compiled_bert_compiles_once_without_graph_breaks(tmp_path: Path, precision: str) -> None:
+    """no_sync, autocast, the loss outside the model, the device-side flags: none of it breaks the graph or
+    recompiles it in later steps. One graph per rank for all 8 steps, and nothing to warn about."""
+    run_dir, out = compiled_run(tmp_path, precision, *SMALL_BERT, f"precision={precision}", "train.max_steps=8",
+                                "train.log_every=2", "train.global_batch_size=16", "train.micro_batch_size=4", exp="bench")
+    assert [(m["compiled_graphs"], m["graph_breaks"]) for m in logged(run_dir)] == [(1, 0)] * 4
+    assert not compile_warnings(out)
+
+
+def test_a_shape_change_recompiles_once_and_says_why(tmp_path: Path) -> None:
+    """1000 samples in windows of 32: the epoch's last window has 8, micro-batches of 2 instead of 8, and
+    dynamo compiles again at step 32. The log after it says so, with dynamo's reason; with
+    train.compile_dynamic=true the first graph takes any batch size and nothing recompiles. (5 features: a
+    batch dim equal to a weight's dim, 8 and 8, would be specialized by dynamo's duck sizing.)"""
+    short_window = ("data.n_samples=1000", "data.in_features=5", "train.max_steps=40", "train.log_every=10")
+    run_dir, out = compiled_run(tmp_path, "static", *short_window)
+    assert [m["compiled_graphs"] for m in logged(run_dir)] == [1, 1, 1, 2]
+    (warning,) = compile_warnings(out)
+    assert warning.startswith("step 40: warning: torch.compile compiled 1 more graph(s)") and "size mismatch" in warning
+    assert json.loads((run_dir / "summary.json").read_text())["compiled_graphs"] == 2
+
+    run_dir, out = compiled_run(tmp_path, "dynamic", *short_window, "train.compile_dynamic=true")
+    assert [m["compiled_graphs"] for m in logged(run_dir)] == [1, 1, 1, 1] and not compile_warnings(out)
+
+
+def test_a_graph_break_is_reported_and_fullgraph_makes_it_a_one_line_error(tmp_path: Path) -> None:
+    """The toy's host_read model reads an activation with .item() mid-forward: dynamo splits the graph."""
+    run_dir, out = compiled_run(tmp_path, "breaks", "model.host_read=true", "train.max_steps=20", "train.log_every=10")
+    assert all(m["graph_breaks"] >= 1 for m in logged(run_dir))
+    (warning,) = compile_warnings(out)  # once, though both ranks and both logs see it
+    assert warning.startswith("step 10: warning: torch.compile breaks the model's graph") and "item()" in warning
+
+    out = run_cli("+exp=toy", "train.compile=true", "train.compile_fullgraph=true", "model.host_read=true",
+                  "train.max_steps=20", f"hydra.run.dir={tmp_path / 'fullgraph'}", cwd=tmp_path)
+    errors = [line for line in out.stderr.splitlines() if line.startswith("error:")]
+    assert out.returncode == 1 and len(errors) == 1, out.stderr[-3000:]
+    assert "train.compile_fullgraph=true and torch.compile met a graph break at " in errors[0]
+    assert "jobs/toy.py:" in errors[0] and "drop train.compile_fullgraph" in errors[0]
+
+
+def test_a_cuda_graph_mode_reaches_inductor(tmp_path: Path) -> None:
+    """reduce-overhead asks inductor for CUDA graphs; on the CPU it records a skip for every graph, which
+    the metrics count and one warning explains (on a GPU the count stays 0: tests/test_gpu.py)."""
+    one_micro_batch = ("train.micro_batch_size=16", "train.max_steps=10", "train.log_every=5")
+    run_dir, out = compiled_run(tmp_path, "cudagraphs", *one_micro_batch, "train.compile_mode=reduce-overhead")
+    assert all(m["cudagraph_skips"] >= 1 for m in logged(run_dir))
+    assert any("captured no CUDA graph" in line for line in compile_warnings(out))
+    run_dir, out = compiled_run(tmp_path, "default", *one_micro_batch, "train.compile_mode=default")
+    assert all("cudagraph_skips" not in m for m in logged(run_dir)) and not compile_warnings(out)
