@@ -42,7 +42,8 @@ class ToyRegression:
     def __init__(self, n_samples: int = 1024, n_eval: int = 256, in_features: int = 8, out_features: int = 2,
                  noise: float = 0.05, seed: int = 1234, dtype: str = "float32", sleep_s: float = 0.0,
                  sleep_rank: int | None = None, stall_rank: int = -1, stall_at_call: int = 0, stall_s: float = 0.0,
-                 oom_rank: int = -1, oom_max_items: int = 0, oom_from_call: int = 1, oom_in_backward: bool = False):
+                 oom_rank: int = -1, oom_max_items: int = 0, oom_from_call: int = 1, oom_in_backward: bool = False,
+                 oom_in_eval: bool = False):
         rank = int(os.environ.get("RANK", 0))
         # per loss computation, on every rank or on sleep_rank only: lets tests signal or kill a run
         # mid-training, or make one rank a straggler
@@ -52,9 +53,11 @@ class ToyRegression:
         self.stall_at_call, self.calls = stall_at_call, 0
         # oom_rank pretends to run out of memory (torch.OutOfMemoryError) for any batch of more than
         # oom_max_items samples from its oom_from_call-th loss computation with gradients on (probe trials
-        # included): in the forward, or in the backward (where the last micro-batch's all-reduce runs)
+        # included): in the forward, or in the backward (where the last micro-batch's all-reduce runs); with
+        # oom_in_eval also for every such eval batch
         self.oom_max_items = oom_max_items if rank == oom_rank else None
         self.oom_from_call, self.oom_in_backward, self.grad_calls = oom_from_call, oom_in_backward, 0
+        self.oom_in_eval = oom_in_eval
         generator = torch.Generator().manual_seed(seed)
         dt = getattr(torch, dtype)
         a = torch.randn(in_features, 16, generator=generator, dtype=dt)
@@ -90,6 +93,8 @@ class ToyRegression:
         raise torch.OutOfMemoryError(f"test: more than {self.oom_max_items} samples, in backward (jobs/toy.py)")
 
     def eval_sums(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        if self.oom_in_eval and self.oom_max_items is not None and len(batch["x"]) > self.oom_max_items:
+            raise torch.OutOfMemoryError(f"test: more than {self.oom_max_items} samples, in eval (jobs/toy.py)")
         return {"loss_sum": self.loss_sum(model, batch), "count": self.count_items(batch)}
 
     def eval_metrics(self, sums: dict[str, float]) -> dict[str, float]:

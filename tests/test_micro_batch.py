@@ -185,3 +185,23 @@ def test_out_of_memory_inside_the_all_reduce_exits_and_the_next_start_halves(tmp
     assert per_step(run_dir, "micro_batch_size") == [8] * 8 + [4] * (STEPS - 8)
     assert samples(run_dir) == samples(reference)
     assert_same_weights(run_dir, reference)
+
+
+def test_out_of_memory_in_eval_exits_and_the_relaunch_evaluates_in_halves(tmp_path: Path, fixed) -> None:
+    """Rank 1 cannot evaluate batches of 8 (training fits): the eval after step 8 runs out, which no redo
+    covers (the other rank waits in eval's all-reduce). Exit OUT_OF_MEMORY_EXIT_CODE with one line; the
+    relaunch resumes from step 4 (step 8's checkpoint comes after its eval) at micro-batch 4, evaluates in
+    batches of 4, and ends equal to the run that never ran out."""
+    run_dir = tmp_path / "in-eval"
+    oom = (*AUTO, "train.eval_every=8", "data.oom_rank=1", "data.oom_max_items=4", "data.oom_from_call=1000000",
+           "data.oom_in_eval=true")
+    log = launch(run_dir, *oom, expect=OUT_OF_MEMORY_EXIT_CODE)
+    where = "rank 1 ran out of memory in eval after step 8"
+    error = [line for line in log.splitlines() if line.startswith("error: rank 1 failed")]
+    assert len(error) == 1 and where in error[0] and "in eval" in error[0], log[-3000:]
+    assert json.loads((run_dir / MICRO_BATCH_FILE).read_text())["micro_batch_size"] == 4
+    log = launch(run_dir, *oom)
+    assert "resumed from step 4" in log
+    assert per_step(run_dir, "micro_batch_size") == [8] * 4 + [4] * (STEPS - 4)
+    assert [m["step"] for m in read_metrics(run_dir) if "eval" in m] == [8, STEPS]
+    assert_same_weights(run_dir, fixed[8])
