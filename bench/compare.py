@@ -4,8 +4,8 @@ Per precision and round: seconds per optimizer step (median over log intervals a
 launcher/raw ratio within the round, seconds from command start to the end of the first optimizer step,
 peak memory of rank 0; on the CPU also gradient all-reduces per step (a comm hook) and the logging cost.
 With CUDA (bench/gpu.py): BERT-base on every visible GPU, fp32/bf16/fp16, eager and compiled.
-Run: python bench/compare.py [--rounds 3]   (CPU: about 15 minutes on 2 cores, writes bench/RESULTS.md;
-GPU: writes bench/RESULTS-GPU.md, see bench/gpu.py for its options)
+Run: python bench/compare.py [--rounds 3] [--compile off,on]
+(CPU: about 30 minutes on 2 cores, writes bench/RESULTS.md; GPU: writes bench/RESULTS-GPU.md, see bench/gpu.py)
 """
 from __future__ import annotations
 
@@ -48,7 +48,8 @@ def run_launcher(precision: str, work: Path, log_every: int = LOG_EVERY, steps: 
     stamps = [summary["started_unix_time"] + r["time"] for r in records if "loss" in r]
     return {"step_s": per_step(stamps, log_every) if len(stamps) > 2 else None,
             "first_step_s": summary["first_step_unix_time"] - started, "peak_mem_mb": summary["peak_mem_mb"],
-            "stamps": stamps, "first_step_unix_time": summary["first_step_unix_time"]}
+            "stamps": stamps, "first_step_unix_time": summary["first_step_unix_time"],
+            "compiled": (summary.get("compiled_graphs"), summary.get("graph_breaks"))}  # with train.compile
 
 
 def logging_cost(work: Path, rounds: int) -> list[float]:
@@ -107,28 +108,34 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--precisions", default="fp32,bf16")
+    parser.add_argument("--compile", default="off,on", help="eager (off) and/or torch.compile on both sides (on)")
     parser.add_argument("--out", type=Path, default=REPO / "bench" / "RESULTS.md")
     args = parser.parse_args()
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        for precision in args.precisions.split(","):
+        for mode, precision in [(m, p) for m in args.compile.split(",") for p in args.precisions.split(",")]:
+            compiled = mode == "on"
             rounds = []
-            for r in range(args.rounds):
-                launcher, raw = run_launcher(precision, work), run_raw(precision)  # A then B, every round
+            for r in range(args.rounds):  # A then B, every round
+                launcher = run_launcher(precision, work, extra=(f"train.compile={str(compiled).lower()}",))
+                raw = run_raw(precision, extra=("--compile",) if compiled else ())
                 rounds.append((launcher, raw))
-                print(f"{precision} round {r + 1}: launcher {launcher['step_s']:.3f} s/step, raw {raw['step_s']:.3f} "
-                      f"s/step, ratio {launcher['step_s'] / raw['step_s']:.3f}; first step {launcher['first_step_s']:.2f}"
-                      f" s vs {raw['first_step_s']:.2f} s", flush=True)
+                print(f"{precision} {'compiled' if compiled else 'eager'} round {r + 1}: launcher "
+                      f"{launcher['step_s']:.3f} s/step, raw {raw['step_s']:.3f} s/step, ratio "
+                      f"{launcher['step_s'] / raw['step_s']:.3f}; first step {launcher['first_step_s']:.2f} s vs "
+                      f"{raw['first_step_s']:.2f} s", flush=True)
             ratios = [a["step_s"] / b["step_s"] for a, b in rounds]
-            rows.append({"precision": precision, "launcher_step_s": statistics.median(a["step_s"] for a, _ in rounds),
+            rows.append({"precision": precision, "mode": "compiled" if compiled else "eager",
+                         "launcher_step_s": statistics.median(a["step_s"] for a, _ in rounds),
                          "raw_step_s": statistics.median(b["step_s"] for _, b in rounds),
                          "ratio_median": statistics.median(ratios), "ratios": ratios,
                          "first_step_delta_s": statistics.median(a["first_step_s"] - b["first_step_s"] for a, b in rounds),
                          "launcher_first_step_s": statistics.median(a["first_step_s"] for a, _ in rounds),
                          "raw_first_step_s": statistics.median(b["first_step_s"] for _, b in rounds),
                          "launcher_rss_mb": max(a["peak_mem_mb"] for a, _ in rounds),
-                         "raw_rss_mb": max(b["peak_mem_mb"] for _, b in rounds)})
+                         "raw_rss_mb": max(b["peak_mem_mb"] for _, b in rounds),
+                         "compiled": {a["compiled"] for a, _ in rounds}})
         log_ratios = logging_cost(work, args.rounds)
         syncs = count_launcher_syncs(work)
         raw_syncs = raw_result("--count-syncs", f"--steps={SYNC_STEPS}", "--log-every=1")["syncs_per_step"]
@@ -136,13 +143,17 @@ def main() -> None:
              f"Machine: {platform.machine()}, {platform.processor() or 'cpu'}, {__import__('os').cpu_count()} cores; "
              f"torch {__import__('torch').__version__}; 2 ranks (gloo); BERT 4 x 256, 4 heads, seq 128, random tokens,"
              f" micro-batch 8, accumulation 4, AdamW, clipping 1.0; {args.rounds} interleaved rounds of {STEPS} steps.\n",
-             "| precision | launcher s/step | raw s/step | ratio (median; per round) | first step: launcher / raw / delta (s) "
-             "| peak RSS rank 0: launcher / raw (MB) |", "|---|---|---|---|---|---|"]
+             "| precision | mode | launcher s/step | raw s/step | ratio (median; per round) | first step: launcher / raw / "
+             "delta (s) | peak RSS rank 0: launcher / raw (MB) |", "|---|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r['precision']} | {r['launcher_step_s']:.3f} | {r['raw_step_s']:.3f} | {r['ratio_median']:.3f}; "
+        lines.append(f"| {r['precision']} | {r['mode']} | {r['launcher_step_s']:.3f} | {r['raw_step_s']:.3f} | {r['ratio_median']:.3f}; "
                      f"{', '.join(f'{x:.3f}' for x in r['ratios'])} | {r['launcher_first_step_s']:.2f} / "
                      f"{r['raw_first_step_s']:.2f} / {r['first_step_delta_s']:+.2f} | {r['launcher_rss_mb']:.0f} / "
                      f"{r['raw_rss_mb']:.0f} |")
+    for r in rows:
+        if r["mode"] == "compiled":
+            lines.append(f"\n{r['precision']} compiled: the launcher's ranks compiled (graphs, graph breaks) "
+                         f"{', '.join(map(str, sorted(r['compiled'])))} in its runs (summary.json).")
     lines.append(f"\nGradient all-reduces per optimizer step (comm-hook count, steps 2-{SYNC_STEPS}; one per DDP "
                  f"bucket): launcher {syncs['hook_calls_per_step']:g} in {syncs['sync_rounds_per_step']:g} sync "
                  f"round(s) per step, {'all' if syncs['only_in_last_micro_batch'] else 'NOT all'} in the last "

@@ -6,6 +6,7 @@ then raw, every round): samples/s (global batch over the median step time after 
 within the round, MFU (6 x non-embedding parameters x tokens/s over the GPUs' bf16/fp16 peak, half
 that for fp32), peak memory (max_memory_allocated, rank 0) and seconds to the end of the first step.
 Run: python bench/compare.py [--rounds 2] [--micro 128] [--precisions fp32,bf16,fp16] [--compile off,on]
+     [--compile-mode reduce-overhead --accum 1]
 """
 from __future__ import annotations
 
@@ -40,11 +41,13 @@ def one_round(precision: str, compiled: bool, args: argparse.Namespace, gpus: in
         f"model.heads={BERT_BASE['heads']}", f"data.seq_len={BERT_BASE['seq_len']}",
         f"data.n_samples={max(4096, 2 * global_batch)}", "launcher.device=cuda", f"launcher.nproc_per_node={gpus}",
         f"train.micro_batch_size={args.micro}", f"train.global_batch_size={global_batch}",
-        f"train.compile={str(compiled).lower()}"))
+        f"train.compile={str(compiled).lower()}", *([f"train.compile_mode={args.compile_mode}"] if compiled and
+                                                     args.compile_mode else [])))
     raw = run_raw(precision, args.log_every, args.steps, (
         f"--layers={BERT_BASE['layers']}", f"--hidden={BERT_BASE['hidden']}", f"--heads={BERT_BASE['heads']}",
         f"--seq-len={BERT_BASE['seq_len']}", f"--micro={args.micro}", f"--accum={args.accum}",
-        *(["--compile"] if compiled else [])), nproc=gpus)
+        *(["--compile"] if compiled else []), *([f"--compile-mode={args.compile_mode}"] if compiled and
+                                                 args.compile_mode else [])), nproc=gpus)
     for result in (launcher, raw):
         result["samples_per_s"] = global_batch / result["step_s"]
     return launcher, raw
@@ -59,6 +62,8 @@ def main() -> None:
     parser.add_argument("--log-every", type=int, default=5)
     parser.add_argument("--precisions", default="fp32,bf16,fp16")
     parser.add_argument("--compile", default="off,on")
+    parser.add_argument("--compile-mode", default=None,
+                        help="train.compile_mode for compiled rows; CUDA-graph modes need --accum 1")
     parser.add_argument("--out", type=Path, default=REPO / "bench" / "RESULTS-GPU.md")
     args = parser.parse_args()
     gpus = torch.cuda.device_count()
@@ -71,7 +76,8 @@ def main() -> None:
                 row = {"precision": precision, "compiled": compiled, "ratios": ratios,
                        **{f"{who}_{key}": statistics.median(r[i][key] for r in rounds)
                           for i, who in enumerate(("launcher", "raw"))
-                          for key in ("samples_per_s", "peak_mem_mb", "first_step_s")}}
+                          for key in ("samples_per_s", "peak_mem_mb", "first_step_s")},
+                       "graphs": {launcher["compiled"] for launcher, _ in rounds}}
                 rows.append(row)
                 print(f"{precision} {'compiled' if compiled else 'eager'}: launcher {row['launcher_samples_per_s']:.0f}"
                       f" samples/s, raw {row['raw_samples_per_s']:.0f}, ratios {', '.join(f'{x:.3f}' for x in ratios)}",
@@ -80,9 +86,11 @@ def main() -> None:
     lines = ["# GPU benchmark: launcher vs a hand-written torchrun + NCCL DDP loop\n",
              f"{gpus} x {name}; torch {torch.__version__}, CUDA {torch.version.cuda}; BERT-base (12 x 768, 12 heads, "
              f"seq 128, random tokens), micro-batch {args.micro}, accumulation {args.accum}, fused AdamW, clipping 1.0; "
-             f"{args.rounds} interleaved rounds of {args.steps} steps, timed after step {args.log_every}.\n",
+             f"{args.rounds} interleaved rounds of {args.steps} steps, timed after step {args.log_every}"
+             f"{f'; compiled with mode {args.compile_mode}' if args.compile_mode else ''}.\n",
              "| precision | mode | launcher samples/s | raw samples/s | ratio (median; per round) | MFU launcher / raw "
-             "| peak memory launcher / raw (GB) | first step launcher / raw (s) |", "|---|---|---|---|---|---|---|---|"]
+             "| peak memory launcher / raw (GB) | first step launcher / raw (s) | launcher graphs, breaks |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         mfus = [mfu(r[f"{who}_samples_per_s"], r["precision"], gpus) for who in ("launcher", "raw")]
         lines.append(
@@ -91,6 +99,7 @@ def main() -> None:
             f"{', '.join(f'{x:.3f}' for x in r['ratios'])} | "
             f"{' / '.join('n/a' if m is None else f'{m:.3f}' for m in mfus)} | "
             f"{r['launcher_peak_mem_mb'] / 1024:.1f} / {r['raw_peak_mem_mb'] / 1024:.1f} | "
-            f"{r['launcher_first_step_s']:.1f} / {r['raw_first_step_s']:.1f} |")
+            f"{r['launcher_first_step_s']:.1f} / {r['raw_first_step_s']:.1f} | "
+            f"{'; '.join(f'{g}, {b}' for g, b in sorted(r['graphs'])) if r['compiled'] else '-'} |")
     args.out.write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

@@ -2,7 +2,7 @@
 against. Same model and data as `+exp=bench` (jobs/bench.py); micro-batches 1..K-1 under no_sync,
 autocast for bf16/fp16 (GradScaler for fp16), clipping, AdamW. On CUDA: NCCL, one GPU per rank, fused
 AdamW, TF32, pinned batches copied with non_blocking, optionally torch.compile; gloo on the CPU.
-Run: torchrun --standalone --nproc-per-node 2 bench/raw_ddp.py [--precision bf16] [--compile]
+Run: torchrun --standalone --nproc-per-node 2 bench/raw_ddp.py [--precision bf16] [--compile [--compile-mode M]]
 """
 from __future__ import annotations
 
@@ -39,6 +39,7 @@ def main() -> None:
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--compile", action="store_true")
+    parser.add_argument("--compile-mode", default=None, help="torch.compile's mode (with --compile)")
     parser.add_argument("--count-syncs", action="store_true")
     args = parser.parse_args()
     cuda = torch.cuda.is_available()
@@ -50,7 +51,8 @@ def main() -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
     module = bert_from_config(args.layers, args.hidden, args.heads, max_length=args.seq_len).to(device)
-    model = DDP(torch.compile(module) if args.compile else module, device_ids=[device.index] if cuda else None)
+    model = DDP(torch.compile(module, mode=args.compile_mode) if args.compile else module,
+                device_ids=[device.index] if cuda else None)
     per_rank = args.micro * args.accum
     data = RandomTokens(n_samples=max(4096, 2 * per_rank * world), seq_len=args.seq_len)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01, **({"fused": True} if cuda else {}))
@@ -69,6 +71,8 @@ def main() -> None:
             syncs[0] = 0
         indices = torch.randperm(len(data.train_set), generator=order)[:per_rank * world]
         mine = indices[rank * per_rank:(rank + 1) * per_rank]
+        if args.compile_mode in ("reduce-overhead", "max-autotune"):
+            torch.compiler.cudagraph_mark_step_begin()  # CUDA graphs: a new iteration
         for k in range(args.accum):
             batch = data.collate(mine[k * args.micro:(k + 1) * args.micro].tolist())
             if cuda:
