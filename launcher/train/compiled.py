@@ -8,6 +8,7 @@ and says when and why it compiled again. Exercised by: `python -m launcher +exp=
 from __future__ import annotations
 
 import re
+import traceback
 from typing import Any
 
 import torch
@@ -23,7 +24,15 @@ def compile_module(model: torch.nn.Module, mode: str | None, dynamic: bool | Non
     return torch.compile(model, mode=mode, dynamic=dynamic, fullgraph=fullgraph)
 
 
-def failure_line(error: TorchDynamoException, fullgraph: bool) -> str:
+def compile_failure(error: BaseException) -> bool:
+    """Did `error` come from torch.compile? Older torch raises some of its internal errors unwrapped."""
+    if isinstance(error, TorchDynamoException):
+        return True
+    return any(part in frame.f_code.co_filename for frame, _ in traceback.walk_tb(error.__traceback__)
+               for part in ("/torch/_dynamo/", "/torch/_inductor/"))
+
+
+def failure_line(error: BaseException, fullgraph: bool) -> str:
     """torch.compile's many-line report as one line: what went wrong and where in the user's code."""
     text = str(error)
     what = next((line.strip() for line in text.splitlines() if line.strip()), type(error).__name__)[:200]

@@ -16,7 +16,6 @@ import torch
 import torch.distributed as dist
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
-from torch._dynamo.exc import TorchDynamoException
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -26,7 +25,7 @@ from launcher.derived import NODE_CONFIG, config_hash, differing_keys, grad_accu
 from launcher.preempt import REQUEUE_EXIT_CODE, StopFlag, preemption_signals
 from launcher.train import checkpoint, micro_batch
 from launcher.train import dist as launcher_dist
-from launcher.train.compiled import CompileWatch, compile_module, failure_line
+from launcher.train.compiled import CompileWatch, compile_failure, compile_module, failure_line
 from launcher.train.data import DataPlan
 from launcher.train.ledger import Progress
 from launcher.train.loop import Run, train
@@ -171,7 +170,10 @@ def build_and_train(cfg: DictConfig, path: Path, env: launcher_dist.DistEnv, sto
         summary = train(run, progress, stop)
     except torch.OutOfMemoryError as error:  # where a step cannot be redone: report, and exit for a restart
         micro_batch.exit_out_of_memory(run, error)
-    except TorchDynamoException as error:  # dynamo's report spans a screen; the launcher shows one line
+    except Exception as error:
+        if not (cfg.train.compile and compile_failure(error)):
+            raise
+        # torch.compile's report spans a screen, and the launcher shows the last line of a rank's error
         raise RuntimeError(failure_line(error, cfg.train.compile_fullgraph)) from error
     run.watchdog.close()  # done or preempted: what comes now (shutdown) is no hang of the loop
     run.profiler.close()  # a preemption inside train.profile's steps keeps what was recorded
