@@ -29,7 +29,7 @@ class HostReadingSequential(nn.Sequential):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for layer in self:
             x = layer(x)
-        if x.abs().max().item() > 1e6:  # .item(): dynamo stops its graph here and starts another after
+        if x.abs().max().item() > 1e6:  # .item() on the host: dynamo ends its graph here (a graph break)
             x = x * 0.5
         return x
 

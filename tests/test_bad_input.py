@@ -47,9 +47,15 @@ CASES = {  # name: (overrides, or a function of tmp_path giving them; what the l
                              "train.compile_mode=fast is not one of null, default, max-autotune-no-cudagraphs, "
                              "reduce-overhead, max-autotune"),
     "compile key without compile": (["+exp=toy", "train.compile_dynamic=true"],
-                                    "train.compile_dynamic=True has no effect without train.compile=true"),
+                                    "train.compile_dynamic=true has no effect without train.compile=true"),
     "cuda graphs with accumulation": (["+exp=toy", "train.compile=true", "train.compile_mode=reduce-overhead"],
-                                      "break gradient accumulation (pytorch#169545) and this run accumulates 2"),
+                                      "(pytorch#169545), and with 2 ranks this run accumulates 2 micro-batches per "
+                                      "step; set train.micro_batch_size to global_batch_size / world size"),
+    "cuda graphs with elastic nodes": (lambda tmp: [
+        "+exp=toy", "train.compile=true", "train.compile_mode=reduce-overhead", "train.micro_batch_size=8",
+        "train.global_batch_size=32", "launcher.nnodes=1:2", "launcher.rdzv_endpoint=localhost:29400",
+        f"hydra.run.dir={tmp / 'elastic'}"], "with 2 ranks this run accumulates 2 micro-batches per step; use a "
+                                             "fixed launcher.nnodes with one micro-batch per step"),
     "cuda graphs with auto": (["+exp=toy", "train.compile=true", "train.compile_mode=max-autotune",
                                "train.micro_batch_size=auto"], "this run accumulates an automatic number of"),
     "negative lr": (["+exp=toy", "optimizer.lr=-1e-3"], "optimizer.lr=-0.001 must be > 0"),

@@ -63,12 +63,14 @@ def test_a_graph_break_is_reported_and_fullgraph_makes_it_a_one_line_error(tmp_p
     (warning,) = compile_warnings(out)  # once, though both ranks and both logs see it
     assert warning.startswith("step 10: warning: torch.compile breaks the model's graph") and "Tensor.item" in warning
 
-    out = run_cli("+exp=toy", "train.compile=true", "train.compile_fullgraph=true", "model.host_read=true",
-                  "train.max_steps=20", f"hydra.run.dir={tmp_path / 'fullgraph'}", cwd=tmp_path)
-    errors = [line for line in out.stderr.splitlines() if line.startswith("error:")]
-    assert out.returncode == 1 and len(errors) == 1, out.stderr[-3000:]
-    assert "train.compile_fullgraph=true and torch.compile met a graph break at " in errors[0]
-    assert "jobs/toy.py:" in errors[0] and "drop train.compile_fullgraph" in errors[0]
+    for micro_batch in ("8", "auto"):  # auto: the micro-batch probe's trials compile first
+        out = run_cli("+exp=toy", "train.compile=true", "train.compile_fullgraph=true", "model.host_read=true",
+                      f"train.micro_batch_size={micro_batch}", "train.max_steps=20",
+                      f"hydra.run.dir={tmp_path / f'fullgraph-{micro_batch}'}", cwd=tmp_path)
+        errors = [line for line in out.stderr.splitlines() if line.startswith("error:")]
+        assert out.returncode == 1 and len(errors) == 1, out.stderr[-3000:]
+        assert "train.compile_fullgraph=true and torch.compile met a graph break at " in errors[0]
+        assert "jobs/toy.py:" in errors[0] and "drop train.compile_fullgraph" in errors[0]
 
 
 def test_a_cuda_graph_mode_reaches_inductor(tmp_path: Path) -> None:
@@ -80,3 +82,28 @@ def test_a_cuda_graph_mode_reaches_inductor(tmp_path: Path) -> None:
     assert any("captured no CUDA graph" in line for line in compile_warnings(out))
     run_dir, out = compiled_run(tmp_path, "default", *one_micro_batch, "train.compile_mode=default")
     assert all("cudagraph_skips" not in m for m in logged(run_dir)) and not compile_warnings(out)
+
+
+def test_only_errors_of_compiling_become_one_compile_line() -> None:
+    """In-process: a user's error inside a compiled module keeps its own type and message; a failure of
+    dynamo itself (a graph break under fullgraph) becomes one line naming the user's line and the cause."""
+    import torch
+
+    from launcher.train.compiled import failures_in_one_line
+
+    def wrong_input(x: torch.Tensor) -> torch.Tensor:
+        raise ValueError(f"expected 4 features, got {x.shape[-1]}")
+
+    def host_read(x: torch.Tensor) -> torch.Tensor:
+        return x * 2 if x.sum().item() > 0 else x  # .item(): a graph break
+
+    with pytest.raises(ValueError, match="expected 4 features, got 5"):
+        with failures_in_one_line(compiling=True, fullgraph=False):
+            torch.compile(wrong_input)(torch.ones(2, 5))
+    with pytest.raises(RuntimeError) as raised:
+        with failures_in_one_line(compiling=True, fullgraph=True):
+            torch.compile(host_read, fullgraph=True)(torch.ones(2, 5))
+    line = str(raised.value)
+    assert "\n" not in line and line.startswith("train.compile_fullgraph=true and torch.compile met a graph break at "
+                                                f"{__file__}:")
+    assert "drop train.compile_fullgraph" in line

@@ -94,7 +94,8 @@ def test_cuda_graph_mode_captures_every_graph_and_trains_like_the_default_mode(t
         (tmp_path / mode).mkdir()
         steps = [m for m in read_metrics(run_ok(tmp_path / mode, *one_micro_batch, f"train.compile_mode={mode}"))
                  if "loss" in m]
-        assert all(m.get("cudagraph_skips", 0) == 0 for m in steps)
+        if mode == "reduce-overhead":  # every graph captured: not one skip
+            assert all(m["cudagraph_skips"] == 0 for m in steps)
         losses[mode] = [m["loss"] for m in steps]
     assert losses["reduce-overhead"] == pytest.approx(losses["default"], rel=1e-4)
 

@@ -132,31 +132,34 @@ def make_plan(cfg: DictConfig) -> Plan:
     _check_profile(cfg.train.profile, list(cfg.train.profile_ranks), cfg.train.max_steps, world_size)
     fewest = local_nodes(cfg)[0] if cfg.launcher.name == "local" else nnodes
     # elastic: every world the run may go on with must divide the batch (the last one is this plan's)
-    accumulations = [_accumulation(cfg, nodes * nproc) for nodes in range(fewest, nnodes + 1)]
+    accumulations = {nodes * nproc: _accumulation(cfg, nodes * nproc) for nodes in range(fewest, nnodes + 1)}
     _check_compile(cfg.train, accumulations)
     return Plan(nnodes=nnodes, nproc_per_node=nproc, world_size=world_size,
-                grad_accum_steps=accumulations[-1], device_type=device_type,
+                grad_accum_steps=accumulations[world_size], device_type=device_type,
                 min_nnodes=fewest if fewest < nnodes else None)
 
 
-def _check_compile(train: DictConfig, accumulations: list[int | None]) -> None:
-    """train.compile_* only with train.compile=true; CUDA-graph modes only without accumulation."""
+def _check_compile(train: DictConfig, accumulations: dict[int, int | None]) -> None:
+    """train.compile_* only with train.compile=true; CUDA-graph modes only without accumulation, in every
+    world size the run may have (accumulations: world size -> micro-batches per step, None for auto)."""
     mode = train.compile_mode
     if mode is not None and mode not in COMPILE_MODES:
         raise ConfigError(f"train.compile_mode={mode} is not one of null, {', '.join(COMPILE_MODES)}")
     if not train.compile:
         for key, unset in (("compile_mode", None), ("compile_dynamic", None), ("compile_fullgraph", False)):
             if train[key] != unset:
-                raise ConfigError(f"train.{key}={train[key]} has no effect without train.compile=true; "
+                value = str(train[key]).lower() if isinstance(train[key], bool) else train[key]
+                raise ConfigError(f"train.{key}={value} has no effect without train.compile=true; "
                                   f"add train.compile=true or drop train.{key}")
-    accumulation = next((k for k in accumulations if k != 1), 1)  # None: auto decides in the workers
+    world, accumulation = next(((w, k) for w, k in accumulations.items() if k != 1), (None, 1))
     if mode in CUDA_GRAPH_MODES and accumulation != 1:
         # CUDA graphs overwrite their outputs at the next replay, gradients of earlier micro-batches too
+        fix = ("set train.micro_batch_size to global_batch_size / world size (one micro-batch per step)"
+               if len(accumulations) == 1 else "use a fixed launcher.nnodes with one micro-batch per step")
         raise ConfigError(f"train.compile_mode={mode} captures CUDA graphs, which break gradient accumulation "
-                          f"(pytorch#169545) and this run accumulates "
+                          f"(pytorch#169545), and with {world} ranks this run accumulates "
                           f"{'an automatic number of' if accumulation is None else accumulation} micro-batches per "
-                          f"step; set train.micro_batch_size to global_batch_size / world size (one micro-batch "
-                          f"per step) or use train.compile_mode=max-autotune-no-cudagraphs")
+                          f"step; {fix}, or use train.compile_mode=max-autotune-no-cudagraphs")
 
 
 def _accumulation(cfg: DictConfig, world_size: int) -> int | None:

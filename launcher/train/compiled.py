@@ -7,14 +7,19 @@ and says when and why it compiled again. Exercised by: `python -m launcher +exp=
 """
 from __future__ import annotations
 
+import os
 import re
 import traceback
-from typing import Any
+from contextlib import contextmanager
+from typing import Any, Iterator
 
 import torch
 from torch._dynamo.exc import TorchDynamoException, Unsupported, UserError
 
 from launcher.derived import CUDA_GRAPH_MODES
+
+CONVERT_FRAME = os.path.join("torch", "_dynamo", "convert_frame.py")  # where dynamo turns a frame into graphs
+TORCH_DIR = os.path.dirname(torch.__file__)
 
 
 def compile_module(model: torch.nn.Module, mode: str | None, dynamic: bool | None,
@@ -24,20 +29,36 @@ def compile_module(model: torch.nn.Module, mode: str | None, dynamic: bool | Non
     return torch.compile(model, mode=mode, dynamic=dynamic, fullgraph=fullgraph)
 
 
+@contextmanager
+def failures_in_one_line(compiling: bool, fullgraph: bool) -> Iterator[None]:
+    """torch.compile's report spans a screen, and the launcher shows the last line of a rank's error: make
+    that line say what failed and where. Other errors pass through as they are."""
+    try:
+        yield
+    except Exception as error:
+        if not (compiling and compile_failure(error)):
+            raise
+        raise RuntimeError(failure_line(error, fullgraph)) from error
+
+
 def compile_failure(error: BaseException) -> bool:
-    """Did `error` come from torch.compile? Older torch raises some of its internal errors unwrapped."""
+    """Did `error` come from compiling? torch 2.6 raises some internal errors unwrapped: those still pass
+    through dynamo's frame conversion. (eval_frame.py alone is on the stack of every compiled call, and of
+    torch functions that turn dynamo off: an error there is the code's, not the compiler's.)"""
     if isinstance(error, TorchDynamoException):
         return True
-    return any(part in frame.f_code.co_filename for frame, _ in traceback.walk_tb(error.__traceback__)
-               for part in ("/torch/_dynamo/", "/torch/_inductor/"))
+    return any(frame.f_code.co_filename.endswith(CONVERT_FRAME) for frame, _ in traceback.walk_tb(error.__traceback__))
 
 
 def failure_line(error: BaseException, fullgraph: bool) -> str:
-    """torch.compile's many-line report as one line: what went wrong and where in the user's code."""
+    """What went wrong (the inner error, where torch wraps one) and where in the user's code."""
+    cause = getattr(error, "inner_exception", None) or error.__cause__ or error
+    lines = [line.strip() for line in str(cause).splitlines() if line.strip() and not line.strip().endswith("raised:")]
+    what = (lines[0] if lines else type(cause).__name__)[:200]
     text = str(error)
-    what = next((line.strip() for line in text.splitlines() if line.strip()), type(error).__name__)[:200]
-    places = re.findall(r'File "([^"]+)", line (\d+)', text.split("from user code:")[-1])
-    where = f" at {places[-1][0]}:{places[-1][1]}" if places and "from user code:" in text else ""
+    user_code = text.split("from user code:")[-1] if "from user code:" in text else ""
+    places = [(f, n) for f, n in re.findall(r'File "([^"]+)", line (\d+)', user_code) if not f.startswith(TORCH_DIR)]
+    where = f" at {places[-1][0]}:{places[-1][1]}" if places else ""
     if fullgraph and isinstance(error, (Unsupported, UserError)):  # UserError is an Unsupported only in older torch
         return (f"train.compile_fullgraph=true and torch.compile met a graph break{where}: {what}; make that "
                 f"code traceable, or drop train.compile_fullgraph (the break then runs that code eagerly)")
@@ -64,7 +85,8 @@ class CompileWatch:
         new_breaks = [reason for reason in breaks if reason not in self.breaks]
         # A recompile appends the reason each older cache entry of that code failed; the last one is enough.
         recompiled = [reasons[-1] for code, reasons in failures.items() if len(reasons) > self.failures.get(code, 0)]
-        report = {"compiled_graphs": graphs, "graph_breaks": sum(breaks.values()),
+        # graph_breaks: distinct reasons (dynamo counts a break again each time it compiles that code)
+        report = {"compiled_graphs": graphs, "graph_breaks": len(breaks),
                   "new_graphs": graphs - self.graphs, "new_breaks": new_breaks, "recompiled": recompiled,
                   "first_log": self.logs == 0}
         if self.cuda_graphs:  # graphs that inductor could not capture as CUDA graphs run like mode=default
@@ -98,16 +120,17 @@ def combine(reports: list[dict[str, Any]]) -> tuple[dict[str, int], list[str]]:
                                 f"({_first_line(reason)}): each break runs the code between graphs eagerly, "
                                 f"and train.compile_fullgraph=true makes it an error; TORCH_LOGS=graph_breaks "
                                 f"shows where")
-        if report["new_graphs"] and not report["first_log"]:  # the first interval compiles by design
+        # The first interval compiles by design; a new break's graphs are told by its own warning.
+        if report["new_graphs"] and not report["first_log"] and (report["recompiled"] or not report["new_breaks"]):
             reason = report["recompiled"][-1] if report["recompiled"] else "a new code path"
             if reason not in seen:
                 seen.add(reason)
                 warnings.append(f"warning: torch.compile compiled {report['new_graphs']} more graph(s) on rank "
                                 f"{rank} since the last log ({report['compiled_graphs']} in all; "
-                                f"{_first_line(reason)}): every compile stalls all ranks, and after "
-                                f"torch._dynamo.config.recompile_limit recompiles the code runs eagerly; shapes "
-                                f"that change recompile once, then train.compile_dynamic=true keeps them "
-                                f"dynamic; TORCH_LOGS=recompiles shows each reason")
+                                f"{_first_line(reason)}): every compile stalls all ranks, and past dynamo's "
+                                f"recompile limit (8 per function by default) that code runs eagerly; for shapes "
+                                f"that change, train.compile_dynamic=true compiles them dynamic from the start; "
+                                f"TORCH_LOGS=recompiles shows each reason")
     return scalars, warnings
 
 

@@ -25,7 +25,7 @@ from launcher.derived import NODE_CONFIG, config_hash, differing_keys, grad_accu
 from launcher.preempt import REQUEUE_EXIT_CODE, StopFlag, preemption_signals
 from launcher.train import checkpoint, micro_batch
 from launcher.train import dist as launcher_dist
-from launcher.train.compiled import CompileWatch, compile_failure, compile_module, failure_line
+from launcher.train.compiled import CompileWatch, compile_module, failures_in_one_line
 from launcher.train.data import DataPlan
 from launcher.train.ledger import Progress
 from launcher.train.loop import Run, train
@@ -161,20 +161,16 @@ def build_and_train(cfg: DictConfig, path: Path, env: launcher_dist.DistEnv, sto
         state = checkpoint.load_latest(path.parent, run.module, run.log.warn)
     progress = restore(run, state, cfg.train.seed, cfg.resume.allow_config_change)
     run.log.start_at(progress.step, run.max_steps)
-    if run.out_of_memory.enabled:  # train.micro_batch_size=auto: the model, and any resumed optimizer state, are in place
-        run.watchdog.at("micro-batch probe", progress.step)
-        micro_batch.choose(run, cfg.train.max_micro_batch_size, state and state.get("micro_batch_size"))
-    run.log.info(f"run dir {path.parent} | world size {env.world_size} | grad accum "
-                 f"{run.grad_accum_steps} | precision {run.precision.name} | config {hashes[0]}")
-    try:
-        summary = train(run, progress, stop)
-    except torch.OutOfMemoryError as error:  # where a step cannot be redone: report, and exit for a restart
-        micro_batch.exit_out_of_memory(run, error)
-    except Exception as error:
-        if not (cfg.train.compile and compile_failure(error)):
-            raise
-        # torch.compile's report spans a screen, and the launcher shows the last line of a rank's error
-        raise RuntimeError(failure_line(error, cfg.train.compile_fullgraph)) from error
+    with failures_in_one_line(cfg.train.compile, cfg.train.compile_fullgraph):  # the probe compiles first
+        if run.out_of_memory.enabled:  # micro_batch_size=auto: the model, and any resumed optimizer state, are in place
+            run.watchdog.at("micro-batch probe", progress.step)
+            micro_batch.choose(run, cfg.train.max_micro_batch_size, state and state.get("micro_batch_size"))
+        run.log.info(f"run dir {path.parent} | world size {env.world_size} | grad accum "
+                     f"{run.grad_accum_steps} | precision {run.precision.name} | config {hashes[0]}")
+        try:
+            summary = train(run, progress, stop)
+        except torch.OutOfMemoryError as error:  # where a step cannot be redone: report, and exit for a restart
+            micro_batch.exit_out_of_memory(run, error)
     run.watchdog.close()  # done or preempted: what comes now (shutdown) is no hang of the loop
     run.profiler.close()  # a preemption inside train.profile's steps keeps what was recorded
     run.log.close()
