@@ -36,8 +36,9 @@ def _require_positive(cfg: DictConfig, *keys: str) -> None:
             raise ConfigError(f"{key}={value} must be > 0")
 
 
-def _shape(cfg: DictConfig) -> tuple[int, int, str]:
-    """(nodes, workers per node, device type) for this launcher; the device is decided here, once."""
+def _shape(cfg: DictConfig) -> tuple[int, int, int, str]:
+    """(fewest nodes, nodes, workers per node, device type) for this launcher: fewer nodes only with an
+    elastic launcher.nnodes=MIN:MAX; the device is decided here, once."""
     launcher = cfg.launcher
     device = getattr(launcher.device, "value", launcher.device)  # an Enum when typed
     if launcher.name == "slurm":  # the submit host's GPUs say nothing about the cluster's
@@ -57,21 +58,21 @@ def _shape(cfg: DictConfig) -> tuple[int, int, str]:
             raise ConfigError("launcher.nnodes and launcher.rdzv_endpoint are for launcher=local on several machines; "
                               "on Slurm set launcher.nodes (the rendezvous is the job's first node)")
         nproc = gpus or launcher.nproc_per_node or 2
-        return launcher.nodes, nproc, "cuda" if gpus else "cpu"
+        return launcher.nodes, launcher.nodes, nproc, "cuda" if gpus else "cpu"
     for key in ("dependency", "after"):
         if launcher.name == "local" and launcher[key]:
             raise ConfigError(f"launcher.{key} orders Slurm jobs; add launcher=slurm, or drop launcher.{key}")
     if launcher.name != "local":
         raise ConfigError(f"launcher.name={launcher.name} is not one of local, slurm; pick launcher=local or "
                           f"launcher=slurm")
-    nnodes = local_nodes(cfg)[1]
+    fewest, nnodes = local_nodes(cfg)
     gpus = torch.cuda.device_count()
     if device == "cuda" and not gpus:
         raise ConfigError("launcher.device=cuda but torch sees no GPU on this node (torch.cuda.device_count() "
                           "is 0); use launcher.device=auto or launcher.device=cpu")
     device = device if device != "auto" else ("cuda" if gpus else "cpu")
     if device == "cpu":  # the GPUs, if any, are hidden from these workers
-        return nnodes, launcher.nproc_per_node or 2, "cpu"
+        return fewest, nnodes, launcher.nproc_per_node or 2, "cpu"
     nproc = launcher.nproc_per_node or gpus
     if nproc > gpus:
         raise ConfigError(f"launcher.nproc_per_node={nproc} but this node has {gpus} GPU(s); "
@@ -79,7 +80,7 @@ def _shape(cfg: DictConfig) -> tuple[int, int, str]:
     precision = getattr(cfg.precision.name, "value", cfg.precision.name)  # Enum when typed
     if precision == "bf16" and not torch.cuda.is_bf16_supported():
         raise ConfigError("precision=bf16 needs an Ampere or newer GPU; use precision=fp16 here")
-    return nnodes, nproc, "cuda"
+    return fewest, nnodes, nproc, "cuda"
 
 
 def local_nodes(cfg: DictConfig) -> tuple[int, int]:
@@ -118,7 +119,7 @@ def make_plan(cfg: DictConfig) -> Plan:
     if signal_named(cfg.launcher.signal) in (None, signal.SIGKILL, signal.SIGSTOP):
         raise ConfigError(f"launcher.signal={cfg.launcher.signal} is not a signal that can be caught; "
                           f"use USR2 (the default), USR1 or TERM")
-    nnodes, nproc, device_type = _shape(cfg)
+    fewest, nnodes, nproc, device_type = _shape(cfg)
     if cfg.dist.comm_hook not in (None, "fp16", "bf16"):
         raise ConfigError(f"dist.comm_hook={cfg.dist.comm_hook} is not one of null, fp16, bf16")
     backend = cfg.dist.backend
@@ -130,7 +131,6 @@ def make_plan(cfg: DictConfig) -> Plan:
         raise ConfigError("dist.comm_hook=bf16 needs GPUs with NCCL; use dist.comm_hook=fp16 (or null) here")
     world_size = nnodes * nproc
     _check_profile(cfg.train.profile, list(cfg.train.profile_ranks), cfg.train.max_steps, world_size)
-    fewest = local_nodes(cfg)[0] if cfg.launcher.name == "local" else nnodes
     # elastic: every world the run may go on with must divide the batch (the last one is this plan's)
     accumulations = {nodes * nproc: _accumulation(cfg, nodes * nproc) for nodes in range(fewest, nnodes + 1)}
     _check_compile(cfg.train, accumulations)

@@ -72,7 +72,7 @@ class CompileWatch:
     def __init__(self, enabled: bool, mode: str | None = None):
         self.enabled, self.cuda_graphs = enabled, mode in CUDA_GRAPH_MODES
         self.graphs, self.breaks, self.failures, self.skips = 0, {}, {}, 0
-        self.logs = 0
+        self.first_log = True  # the first interval compiles by design
 
     def read(self) -> dict[str, Any]:
         """What this rank compiled since the last read: counts so far, and new break/recompile reasons."""
@@ -88,14 +88,14 @@ class CompileWatch:
         # graph_breaks: distinct reasons (dynamo counts a break again each time it compiles that code)
         report = {"compiled_graphs": graphs, "graph_breaks": len(breaks),
                   "new_graphs": graphs - self.graphs, "new_breaks": new_breaks, "recompiled": recompiled,
-                  "first_log": self.logs == 0}
+                  "first_log": self.first_log}
         if self.cuda_graphs:  # graphs that inductor could not capture as CUDA graphs run like mode=default
             skips = utils.counters["inductor"].get("cudagraph_skips", 0)
             report.update(cudagraph_skips=skips, new_skips=skips - self.skips)
             self.skips = skips
         self.graphs, self.breaks = graphs, breaks
         self.failures = {code: len(reasons) for code, reasons in failures.items()}
-        self.logs += 1
+        self.first_log = False
         return report
 
 

@@ -17,7 +17,6 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from launcher.preempt import StopFlag, ignore_in_data_workers
 from launcher.task import Task, to_device
 from launcher.train import checkpoint, compiled, micro_batch
-from launcher.train.compiled import CompileWatch
 from launcher.train.data import DataPlan, StepWindows, Window, WindowStream, eval_batches, window_loader
 from launcher.train.dist import DistEnv, all_gather_objects, all_reduce_sum, training_timeout
 from launcher.train.ledger import Progress, StepLedger
@@ -62,7 +61,7 @@ class Run:
     config_hash: str
     watchdog: Watchdog  # writes a hang report when the loop stands still (launcher/train/watchdog.py)
     profiler: StepProfiler  # records train.profile's steps (launcher/train/profile.py)
-    compile_watch: CompileWatch  # what torch.compile compiled since the last log (launcher/train/compiled.py)
+    compile_watch: compiled.CompileWatch  # what torch.compile compiled since the last log (launcher/train/compiled.py)
 
 
 @torch.no_grad()
