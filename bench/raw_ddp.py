@@ -1,7 +1,7 @@
 """A minimal hand-written torchrun + DDP loop: the baseline that bench/compare.py measures the launcher
 against. Same model and data as `+exp=bench` (jobs/bench.py); micro-batches 1..K-1 under no_sync,
-autocast for bf16/fp16 (GradScaler for fp16), clipping, AdamW. On CUDA: NCCL, one GPU per rank, fused
-AdamW, TF32, pinned batches copied with non_blocking, optionally torch.compile; gloo on the CPU.
+autocast for bf16/fp16 (GradScaler for fp16), clipping, fused AdamW (as the launcher's default). On CUDA:
+NCCL, one GPU per rank, TF32, pinned batches copied with non_blocking, optionally torch.compile; gloo on the CPU.
 Run: torchrun --standalone --nproc-per-node 2 bench/raw_ddp.py [--precision bf16] [--compile [--compile-mode M]]
 """
 from __future__ import annotations
@@ -55,7 +55,7 @@ def main() -> None:
                 device_ids=[device.index] if cuda else None)
     per_rank = args.micro * args.accum
     data = RandomTokens(n_samples=max(4096, 2 * per_rank * world), seq_len=args.seq_len)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01, **({"fused": True} if cuda else {}))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01, fused=True)
     dtype = DTYPES[args.precision]
     scaler = torch.amp.GradScaler(device.type, enabled=args.precision == "fp16")
     syncs = [0]

@@ -93,7 +93,7 @@ def forward_until_sync(model: DDP, task: Task, batches: list[dict], weight: floa
 def step_unless_nonfinite(optimizer: torch.optim.Optimizer, nonfinite: torch.Tensor) -> None:
     """optimizer.step(), skipped when `nonfinite`: on the device for fused optimizers (they take found_inf
     the way GradScaler hands it over, and undo their step count), else by one read of the flag (free on
-    the CPU; a host sync on a GPU, which is why fused optimizers are the default there).
+    the CPU; a host sync on a GPU, which is why fused optimizers are the default).
 
     Not before the optimizer has state: a fused SGD creates its momentum buffers with empty_like in its
     first step and keeps them even when found_inf skips the update, so a skipped first step would leave
