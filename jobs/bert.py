@@ -5,6 +5,7 @@ Exercised by: `python -m launcher +exp=bert` and `python -m launcher +exp=bert_m
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -71,12 +72,26 @@ def _fp32(logits: torch.Tensor) -> torch.Tensor:
     return logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
 
 
-def _inputs(batch: dict[str, Any]) -> dict[str, torch.Tensor]:
-    """The model's inputs. A batch without padding goes without its attention mask (which of the two is
-    known on the CPU at collate time): HF's SDPA attention would otherwise check `mask.all()` on the GPU,
-    a host sync in every forward, to find out what the mask changes nothing."""
-    dropped = {"labels", "id", "padded"} | (set() if batch.get("padded", True) else {"attention_mask"})
-    return {k: v for k, v in batch.items() if k not in dropped}
+def _inputs(model: torch.nn.Module, batch: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """The model's inputs, none of which makes the host wait for the GPU (train.sync_check found both):
+    given a 2D attention mask, HF's SDPA attention checks `mask.all()` on the GPU in every forward to learn
+    whether it may skip the mask. A batch without padding (known on the CPU at collate time) goes without
+    its mask; a padded batch's mask goes in the additive 4D form that transformers 5 takes as it is
+    ("an already prepared 4D mask"), the same logits (tests/test_bert.py)."""
+    inputs = {k: v for k, v in batch.items() if k not in ("labels", "id", "padded", "attention_mask")}
+    if batch.get("padded", True):
+        hf = _hf_model(model)
+        mask = batch["attention_mask"]
+        if hasattr(sys.modules[type(hf.base_model).__module__], "create_bidirectional_mask"):  # transformers 5
+            mask = (1.0 - mask[:, None, None, :].to(hf.dtype)) * torch.finfo(hf.dtype).min
+        inputs["attention_mask"] = mask
+    return inputs
+
+
+def _hf_model(model: torch.nn.Module) -> Any:
+    """The transformers model inside DDP and torch.compile's wrappers."""
+    model = getattr(model, "module", model)
+    return getattr(model, "_orig_mod", model)
 
 
 def _mark_padding(batch: Any) -> Any:
@@ -146,11 +161,11 @@ class TextClassification:
         return self.collate(_longest(self.train_set, size))
 
     def loss_sum(self, model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        logits = model(**_inputs(batch)).logits
+        logits = model(**_inputs(model, batch)).logits
         return F.cross_entropy(_fp32(logits), batch["labels"], reduction="sum")
 
     def eval_sums(self, model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        logits = _fp32(model(**_inputs(batch)).logits)
+        logits = _fp32(model(**_inputs(model, batch)).logits)
         labels, predicted = batch["labels"], logits.argmax(-1)
         return {"loss_sum": F.cross_entropy(logits, labels, reduction="sum"), "count": self.count_items(batch),
                 "correct": (predicted == labels).sum(), "tp": ((predicted == 1) & (labels == 1)).sum(),
@@ -218,10 +233,10 @@ class MaskedLM:
         return torch.tensor(len(batch["masked_positions"]))  # the loss tokens: normalised by their global count
 
     def loss_sum(self, model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        return model(**_inputs(batch), labels=batch["labels"])[0]
+        return model(**_inputs(model, batch), labels=batch["labels"])[0]
 
     def eval_sums(self, model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        loss_sum, logits = model(**_inputs(batch), labels=batch["labels"])
+        loss_sum, logits = model(**_inputs(model, batch), labels=batch["labels"])
         targets = batch["labels"].flatten().index_select(0, batch["masked_positions"])
         return {"loss_sum": loss_sum, "count": self.count_items(batch),
                 "correct": (logits.argmax(-1) == targets).sum()}

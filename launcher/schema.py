@@ -66,6 +66,9 @@ class TrainConfig:
     compile_dynamic: Optional[bool] = None  # null: static shapes, dynamic after the first shape change
     compile_fullgraph: bool = False  # a graph break is an error instead of a warning
     tf32: bool = True  # TF32 matmuls on Ampere+ GPUs
+    # null, warn or error: report what makes a steady step wait for the GPU (a diagnostic: it slows the
+    # steps it checks; on the CPU it finds what would sync on a GPU)
+    sync_check: Optional[str] = None
     log_samples: bool = False  # write every step's sample ids to samples.jsonl (for audits and tests)
     straggler_ratio: float = 1.2  # warn when one rank's compute stays this much over the median's (3 logs)
     profile: Optional[List[int]] = None  # [first, last]: torch.profiler trace of those steps in <run_dir>/profile/

@@ -43,6 +43,8 @@ CASES = {  # name: (overrides, or a function of tmp_path giving them; what the l
                                  "set dist.static_graph=false or a fixed train.micro_batch_size"),
     "zero max micro batch": (["+exp=toy", "train.micro_batch_size=auto", "train.max_micro_batch_size=0"],
                              "train.max_micro_batch_size=0 must be > 0"),
+    "unknown sync check": (["+exp=toy", "train.sync_check=strict"],
+                           "train.sync_check=strict is not one of null, warn, error"),
     "unknown compile mode": (["+exp=toy", "train.compile=true", "train.compile_mode=fast"],
                              "train.compile_mode=fast is not one of null, default, max-autotune-no-cudagraphs, "
                              "reduce-overhead, max-autotune"),

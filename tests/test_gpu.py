@@ -77,6 +77,33 @@ def test_a_steady_step_never_waits_for_the_gpu(tmp_path: Path, exp: str, precisi
     assert rank["steps_without_sync"] == 5 and rank["control_raised"]
 
 
+@pytest.mark.parametrize("exp", ["toy", "bench", "bert"])
+def test_the_loop_s_steady_steps_never_wait_for_the_gpu(tmp_path: Path, tiny_bert: Path, exp: str) -> None:
+    """train.sync_check=error over the whole loop (pinned loading, the step, the meter, the ledger): the
+    dispatcher and torch's own sync debug mode find nothing in steps 4, 5 and 7 to 11. bert: padded batches."""
+    if exp != "toy" and int(transformers.__version__.split(".")[0]) < 5:
+        pytest.skip(f"transformers {transformers.__version__}'s BERT syncs on its attention mask (5.x does not)")
+    by_exp = {"toy": ("precision=fp16",),
+              "bench": ("precision=bf16", "model.layers=2", "model.hidden=128", "model.heads=2", "data.seq_len=64",
+                        "data.n_samples=256"),
+              "bert": ("precision=bf16", f"model.pretrained={tiny_bert}", "data.n_train=256", "data.n_eval=32")}
+    run_dir = run_ok(tmp_path, f"+exp={exp}", *ONE_GPU, *by_exp[exp], "train.sync_check=error",
+                     "train.max_steps=12", "train.log_every=6")
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert (summary["host_syncs"], summary["checked_steps"]) == (0, 7)
+
+
+def test_a_gpu_read_in_the_forward_is_counted_once_per_read(tmp_path: Path) -> None:
+    """The control: the toy's .item() in its forward, 4 micro-batches in each of 7 checked steps, counted
+    once each (by the dispatcher, not again by torch's own check) and named."""
+    run_dir = tmp_path / "run"
+    out = run_cli("+exp=toy", *ONE_GPU, "model.host_read=true", "train.sync_check=warn", "train.max_steps=12",
+                  "train.log_every=6", f"hydra.run.dir={run_dir}", cwd=tmp_path, timeout=600)
+    assert out.returncode == 0, out.stderr[-4000:]
+    assert json.loads((run_dir / "summary.json").read_text())["host_syncs"] == 28
+    assert "warning: step 4 waits for the GPU: " in out.stderr and "jobs/toy.py:" in out.stderr
+
+
 def test_compile_on_cuda_trains(tmp_path: Path) -> None:
     run_dir = run_ok(tmp_path, "+exp=toy", *ONE_GPU, "train.compile=true", "train.max_steps=40", "train.log_every=5")
     steps = [m for m in read_metrics(run_dir) if "loss" in m]

@@ -120,6 +120,8 @@ def make_plan(cfg: DictConfig) -> Plan:
         raise ConfigError(f"launcher.signal={cfg.launcher.signal} is not a signal that can be caught; "
                           f"use USR2 (the default), USR1 or TERM")
     fewest, nnodes, nproc, device_type = _shape(cfg)
+    if cfg.train.sync_check not in (None, "warn", "error"):
+        raise ConfigError(f"train.sync_check={cfg.train.sync_check} is not one of null, warn, error")
     if cfg.dist.comm_hook not in (None, "fp16", "bf16"):
         raise ConfigError(f"dist.comm_hook={cfg.dist.comm_hook} is not one of null, fp16, bf16")
     backend = cfg.dist.backend

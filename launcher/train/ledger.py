@@ -16,6 +16,8 @@ from pathlib import Path
 
 import torch
 
+from launcher.train.sync_check import host_side
+
 
 @dataclass
 class Progress:
@@ -42,7 +44,8 @@ class HostCopy:
     def read(self) -> list[float]:
         if self.arrived is not None:
             self.arrived.synchronize()  # waits for this copy only, which the GPU finished a step ago
-        return self.host.tolist()
+        with host_side():  # train.sync_check: a CPU run's stand-in for the pinned copy's read
+            return self.host.tolist()
 
 
 class StepLedger:

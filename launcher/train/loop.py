@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import os
 import time
-from functools import partial
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
@@ -25,6 +26,7 @@ from launcher.train.metrics import RunLog
 from launcher.train.precision import Precision
 from launcher.train.profile import StepProfiler
 from launcher.train.step import train_step
+from launcher.train.sync_check import SyncCheck
 from launcher.train.watchdog import Watchdog
 
 
@@ -62,6 +64,7 @@ class Run:
     watchdog: Watchdog  # writes a hang report when the loop stands still (launcher/train/watchdog.py)
     profiler: StepProfiler  # records train.profile's steps (launcher/train/profile.py)
     compile_watch: compiled.CompileWatch  # what torch.compile compiled since the last log (launcher/train/compiled.py)
+    sync_check: SyncCheck  # train.sync_check: what makes a steady step wait for the GPU (launcher/train/sync_check.py)
 
 
 @torch.no_grad()
@@ -113,33 +116,36 @@ def train(run: Run, progress: Progress, stop: StopFlag) -> dict[str, Any]:
     started, loss, preempted, first_step_at = time.perf_counter(), float("nan"), False, None
     compile_counts: dict[str, int] = {}
     for window, data_wait_s in timed(stream):
-        run.watchdog.at("train", progress.step + 1)
-        run.out_of_memory.remember(run.module)  # auto: what a dropped attempt of this step gives back
-        if run.compile_watch.cuda_graphs:  # a new step: CUDA-graph outputs of the last one may be reused now
-            torch.compiler.cudagraph_mark_step_begin()
-        with run.profiler.step(progress.step + 1):
-            result = train_step(run.model, run.task, window, run.optimizer, ledger, run.scaler, run.precision,
-                                run.max_grad_norm, run.env.device, meter.timer, run.out_of_memory,
-                                stop_requested=stop.requested)
+        step = progress.step + 1
+        run.watchdog.at("train", step)
+        log_now = step % run.log_every == 0 or step == run.max_steps
+        eval_now = run.eval_every and step % run.eval_every == 0 and step != run.max_steps
+        ckpt_now = run.ckpt_every and step % run.ckpt_every == 0 and step != run.max_steps
+        steady = run.sync_check.steady(step, resumed_from, busy=log_now or eval_now or ckpt_now)
+        with run.sync_check.watching(step, run.log.warn) if steady else nullcontext():  # train.sync_check
+            run.out_of_memory.remember(run.module)  # auto: what a dropped attempt of this step gives back
+            if run.compile_watch.cuda_graphs:  # a new step: CUDA-graph outputs of the last one may be reused
+                torch.compiler.cudagraph_mark_step_begin()
+            with run.profiler.step(step):
+                result = train_step(run.model, run.task, window, run.optimizer, ledger, run.scaler, run.precision,
+                                    run.max_grad_norm, run.env.device, meter.timer, run.out_of_memory,
+                                    stop_requested=stop.requested)
+            if result is not None:
+                meter.add(window.step_samples, result.loss, window.n_tokens, data_wait_s)
+                run.log.advance()
+                if run.log_samples:
+                    run.log.samples(step, all_gather_objects(window.sample_ids))
         if result is None:  # a rank ran out of memory before the gradient all-reduce; nothing has changed
-            micro_batch.shrink(run, progress.step + 1)
+            micro_batch.shrink(run, step)
             stream.resplit(run.grad_accum_steps)  # the same step again, in smaller micro-batches
             continue
         if first_step_at is None:  # start-up cost as users feel it: until the GPU has done the first step
             ledger.settle()
             first_step_at = time.time()
             training_timeout(run.timeout_s, run.out_of_memory.group)  # start-up is over: dist.timeout_s now
-        progress.step += 1
-        step = progress.step
+        progress.step = step
         progress.samples += window.step_samples
-        meter.add(window.step_samples, result.loss, window.n_tokens, data_wait_s)
-        run.log.advance()
-        if run.log_samples:
-            run.log.samples(step, all_gather_objects(window.sample_ids))
 
-        log_now = step % run.log_every == 0 or step == run.max_steps
-        eval_now = run.eval_every and step % run.eval_every == 0 and step != run.max_steps
-        ckpt_now = run.ckpt_every and step % run.ckpt_every == 0 and step != run.max_steps
         if log_now or eval_now or ckpt_now or ledger.stop:  # these wait for the GPU anyway: read this step's
             ledger.settle()                                 # flags now, so what they record is exact
         if log_now:  # every rank: the meter sums tokens
@@ -180,7 +186,7 @@ def train(run: Run, progress: Progress, stop: StopFlag) -> dict[str, Any]:
                "precision": run.precision.name, "skipped_steps": progress.skipped_steps,
                "restarts": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)), "config_hash": run.config_hash,
                "peak_mem_mb": peak_memory_mb(run.env.device), "started_unix_time": run.log.start,
-               "first_step_unix_time": first_step_at, **compile_counts}
+               "first_step_unix_time": first_step_at, **compile_counts, **run.sync_check.summary()}
     if preempted:
         return summary
     run.watchdog.at("final eval", progress.step)

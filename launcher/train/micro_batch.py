@@ -23,6 +23,7 @@ from torch.distributed.elastic.multiprocessing.errors.handlers import get_error_
 from launcher.rundir import write_atomically
 from launcher.task import Task, to_device
 from launcher.train.dist import all_gather_objects
+from launcher.train.sync_check import host_side
 
 if TYPE_CHECKING:
     from launcher.train.loop import Run
@@ -82,7 +83,8 @@ class OutOfMemoryAgreement:
         self.ran_out_here = ran_out
         flag = torch.tensor([int(ran_out)])
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
-        return bool(flag.item())  # a CPU tensor: the GPU is not involved
+        with host_side():  # train.sync_check: a CPU tensor, the GPU is not involved
+            return bool(flag.item())
 
     def who_ran_out(self) -> str:
         """`rank 1 (<its memory>)` for every rank that ran out in the agreed step; every rank calls it."""

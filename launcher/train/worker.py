@@ -33,6 +33,7 @@ from launcher.train.metrics import RunLog
 from launcher.train.precision import Precision
 from launcher.train.profile import StepProfiler
 from launcher.train.schedule import build_scheduler
+from launcher.train.sync_check import SyncCheck
 from launcher.train.watchdog import Watchdog
 
 
@@ -103,6 +104,7 @@ def build(cfg: DictConfig, run_dir: Path, env: launcher_dist.DistEnv) -> Run:
                config_hash=config_hash(OmegaConf.to_container(cfg)),
                watchdog=Watchdog(run_dir, env.rank, cfg.dist.hang_timeout_s),
                compile_watch=CompileWatch(train_cfg.compile, train_cfg.compile_mode),
+               sync_check=SyncCheck(train_cfg.sync_check, env.device),
                profiler=StepProfiler(run_dir, env.rank, train_cfg.profile, list(train_cfg.profile_ranks), env.device))
 
 

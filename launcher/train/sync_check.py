@@ -1,0 +1,198 @@
+"""train.sync_check: finds what makes a steady training step wait for the GPU, on the GPU and on the CPU.
+
+A step that reads a device value on the host (.item(), bool(tensor), .cpu(), .tolist()) or runs an op
+whose output shape depends on the data (boolean-mask indexing, nonzero, unique) stalls the CPU until the
+GPU has caught up, so the next step's kernels are not queued while the GPU works. The check watches the
+steady steps (those that neither log, evaluate nor checkpoint, after the first few) through torch's
+dispatcher: what it names would sync on a GPU, so a CPU run (CI) finds it too. On CUDA, torch's own sync
+debug mode also catches what the dispatcher cannot see (a copy from pageable memory, a synchronize).
+`warn` logs each place once and counts; `error` stops the run at the first one, in one line.
+Exercised by: tests/test_sync_check.py (gloo, real torchrun) and tests/test_gpu.py (CUDA).
+"""
+from __future__ import annotations
+
+import os
+import traceback
+import warnings
+from contextlib import contextmanager, nullcontext
+from typing import Callable, Iterator
+
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from launcher.train.dist import all_gather_objects
+
+WARMUP_STEPS = 3  # first allocations, DDP's bucket rebuild, the optimizer's state: not steady yet
+
+_aten = torch.ops.aten
+READS_A_VALUE = "reads a device value on the host (.item(), bool(), float() or int() of a tensor)"
+SHAPE_FROM_DATA = "has an output shape that depends on the data"
+SYNCING_OPS: dict[object, str] = {
+    _aten._local_scalar_dense.default: READS_A_VALUE,
+    _aten.is_nonzero.default: READS_A_VALUE,
+    _aten.equal.default: READS_A_VALUE,
+    _aten.nonzero.default: SHAPE_FROM_DATA,
+    _aten.masked_select.default: SHAPE_FROM_DATA,
+    _aten._unique2.default: SHAPE_FROM_DATA,
+    _aten.unique_dim.default: SHAPE_FROM_DATA,
+    _aten.unique_consecutive.default: SHAPE_FROM_DATA,
+    _aten.bincount.default: SHAPE_FROM_DATA,
+}
+BOOL_INDEXING = {_aten.index.Tensor, _aten.index_put.default, _aten.index_put_.default}
+# Tensor methods that copy to the host: free on the CPU, so the dispatcher never sees them there
+HOST_COPIES = {torch.Tensor.cpu: ".cpu()", torch.Tensor.tolist: ".tolist()", torch.Tensor.numpy: ".numpy()"}
+_TORCH_DIR = os.path.dirname(torch.__file__)
+_paused = [False]
+
+
+@contextmanager
+def host_side() -> Iterator[None]:
+    """A read the launcher makes on purpose, of a value the GPU finished long ago (launcher/train/ledger.py)."""
+    _paused[0] = True
+    try:
+        yield
+    finally:
+        _paused[0] = False
+
+
+def _syncing_op(func: object, args: tuple, kwargs: dict) -> str | None:
+    if func in SYNCING_OPS:
+        return SYNCING_OPS[func]
+    if func in BOOL_INDEXING and any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in args[1]):
+        return f"indexes with a boolean mask, which {SHAPE_FROM_DATA}"
+    if func is _aten.repeat_interleave.Tensor and kwargs.get("output_size") is None:
+        return f"repeat_interleave without output_size {SHAPE_FROM_DATA}"
+    return None
+
+
+def where_called(frames: traceback.StackSummary | None = None) -> str:
+    """The innermost frame outside torch and this file (of the stack here, or of `frames`): the line that
+    asked for the sync."""
+    for frame in reversed(frames or traceback.extract_stack()[:-1]):
+        if not frame.filename.startswith(_TORCH_DIR) and frame.filename != __file__:
+            return f"{_shown(frame.filename)}:{frame.lineno} ({frame.name})"
+    return "inside torch"
+
+
+def _shown(path: str) -> str:
+    """Relative to the working directory where the file is under it (jobs/toy.py), else as it is."""
+    relative = os.path.relpath(path)
+    return path if relative.startswith("..") else relative
+
+
+class SyncCheck:
+    """Counts, per place in the code, what would make a steady step wait for the GPU."""
+
+    def __init__(self, mode: str | None, device: torch.device):
+        self.mode, self.cuda = mode, device.type == "cuda"
+        self.enabled = mode is not None
+        self.found: dict[str, str] = {}  # place -> what it does, each place once
+        self.syncs = 0
+        self.checked_steps = 0
+
+    def steady(self, step: int, first_step: int, busy: bool) -> bool:
+        """Whether `step` is checked: past the warm-up of this start (or resume), no log, eval or checkpoint."""
+        return self.enabled and step > first_step + WARMUP_STEPS and not busy
+
+    @contextmanager
+    def watching(self, step: int, report: Callable[[str], None]) -> Iterator[None]:
+        """Run one steady step under the check; `report` gets one line per new place (warn)."""
+        new: list[str] = []
+
+        def found(what: str, place: str | None = None) -> None:
+            if _paused[0]:
+                return
+            place = place or where_called()
+            self.syncs += 1
+            waits = "waits for the GPU" if self.cuda else "would wait for a GPU"
+            if self.mode == "error":
+                raise RuntimeError(f"step {step} {waits}: {place} {what} (train.sync_check=error); move the "
+                                   f"read to a log step, or set train.sync_check=warn to list them all")
+            if place not in self.found:
+                self.found[place] = what
+                new.append(f"warning: step {step} {waits}: {place} {what} (train.sync_check=warn reports each "
+                           f"place once; the summary's host_syncs counts them all)")
+
+        self.checked_steps += 1
+        with _cuda_sync_debug(self.cuda, self.mode == "error", found), _DispatchWatch(found, self.cuda), \
+                (nullcontext() if self.cuda else _HostCopyWatch(found)):
+            yield
+        for line in new:
+            report(line)
+
+    def read(self) -> dict[str, int]:
+        return {"host_syncs": self.syncs, "checked_steps": self.checked_steps}
+
+    def summary(self) -> dict[str, int]:
+        """Every rank calls it: the syncs of all ranks, and the steps each checked (the same on every rank)."""
+        if not self.enabled:
+            return {}
+        per_rank = all_gather_objects(self.read())
+        return {"host_syncs": sum(r["host_syncs"] for r in per_rank), "checked_steps": per_rank[0]["checked_steps"]}
+
+
+class _DispatchWatch(TorchDispatchMode):
+    """Every aten op, on any device: the reads of a value and the ops whose output shape needs the data."""
+
+    def __init__(self, found: Callable[..., None], cuda: bool):
+        super().__init__()
+        self.found, self.cuda = found, cuda
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001 (torch's signature)
+        kwargs = kwargs or {}
+        what = _syncing_op(func, args, kwargs)
+        if self.cuda and what and not any(isinstance(a, torch.Tensor) and a.is_cuda for a in args):
+            what = None  # host tensors in a CUDA run: no GPU to wait for
+        if not what:
+            return func(*args, **kwargs)
+        self.found(f"{what} [{func}]")
+        if not self.cuda:
+            return func(*args, **kwargs)
+        with _cuda_debug_mode("default"):  # counted once: not again by torch's own check below
+            return func(*args, **kwargs)
+
+
+class _HostCopyWatch(TorchFunctionMode):
+    """CPU runs only: a copy to the host is a no-op there, invisible to the dispatcher, yet a sync on a GPU."""
+
+    def __init__(self, found: Callable[..., None]):
+        super().__init__()
+        self.found = found
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001 (torch's signature)
+        if func in HOST_COPIES:
+            self.found(f"copies a tensor to the host ({HOST_COPIES[func]})")
+        return func(*args, **(kwargs or {}))
+
+
+@contextmanager
+def _cuda_debug_mode(mode: str) -> Iterator[None]:
+    before = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode(mode)
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode(before)
+
+
+@contextmanager
+def _cuda_sync_debug(cuda: bool, error: bool, found: Callable[..., None]) -> Iterator[None]:
+    """torch's own check on CUDA, for what the dispatcher cannot see (a copy from pageable memory, a
+    synchronize). Its error becomes ours, in one line; its warnings are reported like the rest, after the
+    step (those raised in autograd's own threads reach only stderr, but error mode stops at them too)."""
+    if not cuda:
+        yield
+        return
+    try:
+        with warnings.catch_warnings(record=True) as caught, _cuda_debug_mode("error" if error else "warn"):
+            warnings.simplefilter("always")
+            yield
+    except RuntimeError as err:
+        if "synchronizing CUDA operation" not in str(err):
+            raise
+        found("synchronizes with the GPU", where_called(traceback.extract_tb(err.__traceback__)))
+        raise  # not reached: found() raises in error mode
+    for warning in caught:
+        if "synchronizing CUDA operation" in str(warning.message):
+            found("synchronizes with the GPU", f"{_shown(warning.filename)}:{warning.lineno}")

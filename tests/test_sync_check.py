@@ -1,0 +1,89 @@
+"""train.sync_check (issue 11): a steady step of the launcher never makes the host wait for the GPU, and
+what would is named in one line. Real 2-rank gloo runs: on the CPU the check watches torch's dispatcher for
+what syncs on a GPU (tests/test_gpu.py runs it on CUDA, with torch's own sync debug mode too)."""
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import run_cli
+from launcher.train.sync_check import SyncCheck, host_side
+
+# steps 1-3 warm up; 6 and 12 log: 4, 5, 7, 8, 9, 10 and 11 are checked
+STEPS = ("train.max_steps=12", "train.log_every=6")
+CHECKED = 7
+
+
+def checked_run(tmp_path: Path, name: str, *overrides: str) -> tuple[dict, subprocess.CompletedProcess]:
+    run_dir = tmp_path / name
+    out = run_cli(*STEPS, *overrides, f"hydra.run.dir={run_dir}", cwd=tmp_path)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
+    return json.loads((run_dir / "summary.json").read_text()), out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("overrides", [
+    ("+exp=toy", "precision=fp16"),  # GradScaler; the fused optimizer skips on the device
+    ("+exp=toy", "precision=bf16", "train.micro_batch_size=auto", "train.max_micro_batch_size=4"),
+    ("+exp=bert", "data.n_train=256", "data.n_eval=32"),  # padded batches: the attention mask
+], ids=["toy-fp16", "toy-bf16-auto", "bert"])
+def test_a_steady_step_would_not_wait_for_a_gpu(tmp_path: Path, request: pytest.FixtureRequest,
+                                                overrides: tuple[str, ...]) -> None:
+    if overrides[0] == "+exp=bert":  # a small BERT with the real tokenizer
+        overrides = (*overrides, f"model.pretrained={request.getfixturevalue('tiny_bert')}")
+    summary, out = checked_run(tmp_path, "run", *overrides, "train.sync_check=error")
+    assert (summary["host_syncs"], summary["checked_steps"]) == (0, CHECKED)
+    assert "wait for a GPU" not in out.stderr
+
+
+@pytest.mark.slow
+def test_a_read_in_the_forward_is_named_once_and_counted(tmp_path: Path) -> None:
+    """The toy's host_read model calls .item() in its forward: warn names the line once, counts every read
+    (2 micro-batches per step on each of 2 ranks), and the run goes on; error stops at the first."""
+    summary, out = checked_run(tmp_path, "warn", "+exp=toy", "model.host_read=true", "train.sync_check=warn")
+    named = [line for line in out.stderr.splitlines() if "would wait for a GPU" in line]
+    assert len(named) == 1 and named[0].startswith("warning: step 4 would wait for a GPU: "), named
+    assert "/jobs/toy.py:" in named[0]
+    assert "(forward) reads a device value on the host" in named[0]
+    assert (summary["host_syncs"], summary["checked_steps"], summary["steps"]) == (CHECKED * 2 * 2, CHECKED, 12)
+
+    out = run_cli("+exp=toy", *STEPS, "model.host_read=true", "train.sync_check=error",
+                  f"hydra.run.dir={tmp_path / 'error'}", cwd=tmp_path)
+    assert out.returncode != 0
+    error = out.stderr.strip().splitlines()[-1]
+    assert error.startswith("error: rank ") and "step 4 would wait for a GPU: " in error, error
+    assert "/jobs/toy.py:" in error
+    assert "(train.sync_check=error)" in error and "train.sync_check=warn" in error
+
+
+def test_what_the_check_finds_on_the_cpu() -> None:
+    """Reads of a value, shapes that depend on the data and copies to the host are found; device-side work,
+    a fused optimizer skipping on found_inf and the launcher's own host_side reads are not."""
+    check = SyncCheck("warn", torch.device("cpu"))
+    x, param = torch.randn(8), torch.nn.Parameter(torch.randn(8))
+    optimizer = torch.optim.AdamW([param], fused=True)
+    reported: list[str] = []
+    with check.watching(7, reported.append):
+        param.grad = x.clone()
+        optimizer.grad_scale, optimizer.found_inf = None, torch.isfinite(x.sum()).logical_not().float()
+        optimizer.step()
+        y = torch.where(x > 0, x, 0.0).sum() * 2 + x.masked_fill(x < 0, 0).mean()
+        x.repeat_interleave(torch.tensor([2] * 8), output_size=16)
+        with host_side():
+            y.tolist()
+    assert (check.syncs, reported) == (0, [])
+    reads = {"item": lambda: y.item(), "bool": lambda: bool(y > 0), "mask": lambda: x[x > 0],
+             "nonzero": lambda: torch.nonzero(x), "unique": lambda: torch.unique(x), "cpu": lambda: y.cpu(),
+             "tolist": lambda: x.tolist(), "masked_set": lambda: x.clone().__setitem__(x > 0, 0.0),
+             "repeat": lambda: x.repeat_interleave(torch.tensor([2] * 8))}
+    for name, read in reads.items():
+        with check.watching(8, reported.append):
+            read()
+        assert check.syncs == list(reads).index(name) + 1, name
+    # each place once: the reads above sit on four lines of this file
+    assert len(reported) == len(check.found) == 4 and all("test_sync_check.py:" in line for line in reported)
+    assert check.read() == {"host_syncs": len(reads), "checked_steps": 1 + len(reads)}
