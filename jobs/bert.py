@@ -79,10 +79,11 @@ def _inputs(model: torch.nn.Module, batch: dict[str, Any]) -> dict[str, torch.Te
     its mask; a padded batch's mask goes in the additive 4D form that transformers 5 takes as it is
     ("an already prepared 4D mask"), the same logits (tests/test_bert.py)."""
     inputs = {k: v for k, v in batch.items() if k not in ("labels", "id", "padded", "attention_mask")}
-    if batch.get("padded", True):
+    mask = batch.get("attention_mask")
+    if mask is not None and batch.get("padded", True):
         hf = _hf_model(model)
-        mask = batch["attention_mask"]
-        if hasattr(sys.modules[type(hf.base_model).__module__], "create_bidirectional_mask"):  # transformers 5
+        if hf.config._attn_implementation in ("sdpa", "eager") and \
+                hasattr(sys.modules[type(hf.base_model).__module__], "create_bidirectional_mask"):  # transformers 5
             mask = (1.0 - mask[:, None, None, :].to(hf.dtype)) * torch.finfo(hf.dtype).min
         inputs["attention_mask"] = mask
     return inputs

@@ -127,15 +127,19 @@ def test_fp16_overflow_on_one_rank_skips_the_step_everywhere(tmp_path: Path, fus
         assert (s0["scale_after"], s0["params"], s0["lr"]) == (s1["scale_after"], s1["params"], s1["lr"])
 
 
-def test_a_skipped_first_step_leaves_no_momentum_behind(tmp_path: Path) -> None:
+@pytest.mark.parametrize("momentum", [0.9, 0.0])
+def test_a_skipped_first_step_leaves_no_momentum_behind(tmp_path: Path, momentum: float) -> None:
     """A fused SGD makes its momentum buffers with empty_like in its first step and keeps them when
     found_inf skips the update: the launcher reads the flag for steps before the first real one, so a
-    skipped first step leaves no optimizer state at all, and the next steps are finite."""
-    ranks = probe(tmp_path, 2, "fp16", "precision=fp16", "optimizer=sgd", "optimizer.momentum=0.9",
-                  "+optimizer.fused=true", "train.max_steps=3", inf_step=0)
+    skipped first step leaves no optimizer state at all, and the next steps are finite. Without momentum
+    SGD keeps no state, and found_inf skips on the device from the first step on: the weights stay."""
+    ranks = probe(tmp_path, 2, "fp16", "precision=fp16", "optimizer=sgd", f"optimizer.momentum={momentum}",
+                  "train.max_steps=3", inf_step=0)
     for rank in ranks:
         steps = rank["steps"]
         assert [s["stepped"] for s in steps] == [False, True, True]
-        assert steps[0]["optimizer_state"] == 0 and steps[1]["optimizer_state"] == steps[2]["optimizer_state"] > 0
+        assert steps[0]["params"] == rank["init_params"] != steps[1]["params"]
+        assert steps[0]["optimizer_state"] == 0
+        assert steps[1]["optimizer_state"] == steps[2]["optimizer_state"] and (steps[2]["optimizer_state"] > 0) == (momentum > 0)
         assert all(math.isfinite(s["loss"]) and math.isfinite(s["grad_norm"]) for s in steps[1:])
     assert ranks[0]["steps"][2]["params"] == ranks[1]["steps"][2]["params"]

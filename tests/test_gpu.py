@@ -104,6 +104,27 @@ def test_a_gpu_read_in_the_forward_is_counted_once_per_read(tmp_path: Path) -> N
     assert "warning: step 4 waits for the GPU: " in out.stderr and "jobs/toy.py:" in out.stderr
 
 
+def test_torch_s_own_sync_check_is_ours_on_cuda() -> None:
+    """What only CUDA's sync debug mode sees (blocking copies to and from the GPU) is counted and placed at
+    this file's line with warn, and is one line of ours with error; a device read the dispatcher counted
+    is not counted again."""
+    from launcher.train.sync_check import SyncCheck
+
+    device = torch.device("cuda", 0)
+    x, reported = torch.randn(8, device=device), []
+    check = SyncCheck("warn", device)
+    with check.watching(4, reported.append):
+        x.cpu()  # a blocking copy to the host
+        x.sum().item()  # the dispatcher's, counted once
+        torch.ones(8).to(device)  # from pageable memory: the copy waits
+    assert check.syncs == 3 and len(reported) == 3, reported
+    assert all(line.startswith("warning: step 4 waits for the GPU: ") and "test_gpu.py:" in line for line in reported)
+    with pytest.raises(RuntimeError, match=r"^step 5 waits for the GPU: .*test_gpu\.py:\d+ .*synchronizes"):
+        with SyncCheck("error", device).watching(5, reported.append):
+            x.cpu()
+    assert torch.cuda.get_sync_debug_mode() == 0  # the check leaves the mode as it found it
+
+
 def test_compile_on_cuda_trains(tmp_path: Path) -> None:
     run_dir = run_ok(tmp_path, "+exp=toy", *ONE_GPU, "train.compile=true", "train.max_steps=40", "train.log_every=5")
     steps = [m for m in read_metrics(run_dir) if "loss" in m]

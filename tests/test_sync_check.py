@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import subprocess
+import warnings
+from contextlib import nullcontext
 from pathlib import Path
 
 import pytest
@@ -28,9 +30,10 @@ def checked_run(tmp_path: Path, name: str, *overrides: str) -> tuple[dict, subpr
 @pytest.mark.slow
 @pytest.mark.parametrize("overrides", [
     ("+exp=toy", "precision=fp16"),  # GradScaler; the fused optimizer skips on the device
+    ("+exp=toy", "precision=fp16", "optimizer=sgd"),  # SGD without momentum: no state, fused from step 1
     ("+exp=toy", "precision=bf16", "train.micro_batch_size=auto", "train.max_micro_batch_size=4"),
     ("+exp=bert", "data.n_train=256", "data.n_eval=32"),  # padded batches: the attention mask
-], ids=["toy-fp16", "toy-bf16-auto", "bert"])
+], ids=["toy-fp16", "toy-fp16-sgd", "toy-bf16-auto", "bert"])
 def test_a_steady_step_would_not_wait_for_a_gpu(tmp_path: Path, request: pytest.FixtureRequest,
                                                 overrides: tuple[str, ...]) -> None:
     if overrides[0] == "+exp=bert":  # a small BERT with the real tokenizer
@@ -87,3 +90,21 @@ def test_what_the_check_finds_on_the_cpu() -> None:
     # each place once: the reads above sit on four lines of this file
     assert len(reported) == len(check.found) == 4 and all("test_sync_check.py:" in line for line in reported)
     assert check.read() == {"host_syncs": len(reads), "checked_steps": 1 + len(reads)}
+
+
+def test_torch_s_own_cuda_warnings_are_placed_and_counted_and_others_pass(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On CUDA, torch's sync debug mode warns from inside an op: the warning is counted and placed at the line
+    that ran the op, and any other warning still reaches the user. The warning comes from Python here (this
+    CPU build of torch cannot switch CUDA's mode: tests/test_gpu.py does it on a GPU)."""
+    from launcher.train import sync_check
+
+    monkeypatch.setattr(sync_check, "_cuda_debug_mode", lambda mode: nullcontext())
+    check, reported = SyncCheck("warn", torch.device("cpu")), []
+    check.cuda = True  # the CUDA run's watch: torch's warnings are listened to
+    with pytest.warns(UserWarning, match="something else"):
+        with check.watching(9, reported.append):
+            warnings.warn(f"called a {sync_check.SYNC_WARNING}")
+            warnings.warn("something else")
+    assert check.syncs == 1 and len(reported) == 1, reported
+    assert reported[0].startswith("warning: step 9 waits for the GPU: tests/test_sync_check.py:"), reported
+    assert "synchronizes with the GPU" in reported[0]

@@ -133,8 +133,6 @@ def train(run: Run, progress: Progress, stop: StopFlag) -> dict[str, Any]:
             if result is not None:
                 meter.add(window.step_samples, result.loss, window.n_tokens, data_wait_s)
                 run.log.advance()
-                if run.log_samples:
-                    run.log.samples(step, all_gather_objects(window.sample_ids))
         if result is None:  # a rank ran out of memory before the gradient all-reduce; nothing has changed
             micro_batch.shrink(run, step)
             stream.resplit(run.grad_accum_steps)  # the same step again, in smaller micro-batches
@@ -145,6 +143,8 @@ def train(run: Run, progress: Progress, stop: StopFlag) -> dict[str, Any]:
             training_timeout(run.timeout_s, run.out_of_memory.group)  # start-up is over: dist.timeout_s now
         progress.step = step
         progress.samples += window.step_samples
+        if run.log_samples:  # an audit: gathering the ids makes every step wait (not watched by sync_check)
+            run.log.samples(step, all_gather_objects(window.sample_ids))
 
         if log_now or eval_now or ckpt_now or ledger.stop:  # these wait for the GPU anyway: read this step's
             ledger.settle()                                 # flags now, so what they record is exact

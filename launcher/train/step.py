@@ -97,8 +97,10 @@ def step_unless_nonfinite(optimizer: torch.optim.Optimizer, nonfinite: torch.Ten
 
     Not before the optimizer has state: a fused SGD creates its momentum buffers with empty_like in its
     first step and keeps them even when found_inf skips the update, so a skipped first step would leave
-    garbage momentum behind. The first step (and any before a real one) reads the flag instead."""
-    if getattr(optimizer, "_step_supports_amp_scaling", False) and optimizer.state:
+    garbage momentum behind. The first step (and any before a real one) reads the flag instead, unless
+    the optimizer never keeps state (SGD without momentum)."""
+    stateless = isinstance(optimizer, torch.optim.SGD) and not any(g["momentum"] for g in optimizer.param_groups)
+    if getattr(optimizer, "_step_supports_amp_scaling", False) and (optimizer.state or stateless):
         optimizer.grad_scale, optimizer.found_inf = None, nonfinite.float()  # grads are unscaled already
         try:
             optimizer.step()

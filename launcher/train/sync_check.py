@@ -4,9 +4,11 @@ A step that reads a device value on the host (.item(), bool(tensor), .cpu(), .to
 whose output shape depends on the data (boolean-mask indexing, nonzero, unique) stalls the CPU until the
 GPU has caught up, so the next step's kernels are not queued while the GPU works. The check watches the
 steady steps (those that neither log, evaluate nor checkpoint, after the first few) through torch's
-dispatcher: what it names would sync on a GPU, so a CPU run (CI) finds it too. On CUDA, torch's own sync
-debug mode also catches what the dispatcher cannot see (a copy from pageable memory, a synchronize).
-`warn` logs each place once and counts; `error` stops the run at the first one, in one line.
+dispatcher, so a CPU run (CI) finds these too. On CUDA, torch's own sync debug mode also catches what the
+dispatcher cannot see (a blocking copy between host and GPU). A CPU run cannot tell a tensor that a GPU
+run keeps on the host (the launcher marks its own reads of those host_side), nor see a copy to the GPU.
+With train.compile=true the checked steps run the model eagerly: dynamo does not compile under a
+dispatcher hook. `warn` logs each place once and counts; `error` stops the run at the first one.
 Exercised by: tests/test_sync_check.py (gloo, real torchrun) and tests/test_gpu.py (CUDA).
 """
 from __future__ import annotations
@@ -43,6 +45,7 @@ BOOL_INDEXING = {_aten.index.Tensor, _aten.index_put.default, _aten.index_put_.d
 # Tensor methods that copy to the host: free on the CPU, so the dispatcher never sees them there
 HOST_COPIES = {torch.Tensor.cpu: ".cpu()", torch.Tensor.tolist: ".tolist()", torch.Tensor.numpy: ".numpy()"}
 _TORCH_DIR = os.path.dirname(torch.__file__)
+SYNC_WARNING = "synchronizing CUDA operation"  # what torch's sync debug mode says, as warning or error
 _paused = [False]
 
 
@@ -67,10 +70,10 @@ def _syncing_op(func: object, args: tuple, kwargs: dict) -> str | None:
 
 
 def where_called(frames: traceback.StackSummary | None = None) -> str:
-    """The innermost frame outside torch and this file (of the stack here, or of `frames`): the line that
-    asked for the sync."""
+    """The innermost frame outside torch, this file and the warnings module (of the stack here, or of
+    `frames`): the line that asked for the sync."""
     for frame in reversed(frames or traceback.extract_stack()[:-1]):
-        if not frame.filename.startswith(_TORCH_DIR) and frame.filename != __file__:
+        if not frame.filename.startswith(_TORCH_DIR) and frame.filename not in (__file__, warnings.__file__):
             return f"{_shown(frame.filename)}:{frame.lineno} ({frame.name})"
     return "inside torch"
 
@@ -178,21 +181,28 @@ def _cuda_debug_mode(mode: str) -> Iterator[None]:
 
 @contextmanager
 def _cuda_sync_debug(cuda: bool, error: bool, found: Callable[..., None]) -> Iterator[None]:
-    """torch's own check on CUDA, for what the dispatcher cannot see (a copy from pageable memory, a
-    synchronize). Its error becomes ours, in one line; its warnings are reported like the rest, after the
-    step (those raised in autograd's own threads reach only stderr, but error mode stops at them too)."""
+    """torch's own check on CUDA, for what the dispatcher cannot see (a blocking copy between host and
+    GPU). Its error becomes ours, in one line; each of its warnings is reported like the rest,
+    placed where it was raised (one raised in autograd's threads is replayed at the backward() call).
+    Other warnings go where they would have gone."""
     if not cuda:
         yield
         return
+    shown_before = warnings.showwarning
+
+    def show(message, category, filename, lineno, file=None, line=None):  # noqa: ANN001 (the hook's signature)
+        if SYNC_WARNING in str(message):
+            found("synchronizes with the GPU", where_called())
+        else:
+            shown_before(message, category, filename, lineno, file, line)
+
     try:
-        with warnings.catch_warnings(record=True) as caught, _cuda_debug_mode("error" if error else "warn"):
-            warnings.simplefilter("always")
+        with warnings.catch_warnings(), _cuda_debug_mode("error" if error else "warn"):
+            warnings.filterwarnings("always", message=f".*{SYNC_WARNING}")  # every one, not once per line
+            warnings.showwarning = show
             yield
     except RuntimeError as err:
-        if "synchronizing CUDA operation" not in str(err):
+        if SYNC_WARNING not in str(err):
             raise
         found("synchronizes with the GPU", where_called(traceback.extract_tb(err.__traceback__)))
         raise  # not reached: found() raises in error mode
-    for warning in caught:
-        if "synchronizing CUDA operation" in str(warning.message):
-            found("synchronizes with the GPU", f"{_shown(warning.filename)}:{warning.lineno}")
