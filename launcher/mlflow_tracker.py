@@ -186,7 +186,7 @@ class MlflowTracker(Tracker):
         from mlflow.entities import Metric, RunTag
 
         self._metric, self.run_dir, self.settings, self.config = Metric, run_dir, settings, config
-        self.client, self.run_id = _client(uri), entry["run_id"]
+        self.client, self.run_id, self._pending = _client(uri), entry["run_id"], None
         self.client.update_run(self.run_id, status="RUNNING")
         tags = {TAG_NAMES[k]: v for k, v in run_tags(run_dir, config).items()}
         if resume.lost:  # the steps after it are logged again: the latest value of a step is the one that counts
@@ -194,12 +194,23 @@ class MlflowTracker(Tracker):
         self.client.log_batch(self.run_id, tags=[RunTag(k, v) for k, v in tags.items()])
 
     def log(self, step: int, scalars: dict[str, float], kind: str) -> None:
+        """Handed to MLflow's logging thread: a log step does not wait for the store (a server's round
+        trip, a SQLite commit), and the other ranks do not wait for rank 0 in the next collective."""
+        self.settle()
         now = int(time.time() * 1000)
         prefix = "" if kind == "train" else f"{kind}/"
-        self.client.log_batch(self.run_id, metrics=[self._metric(f"{prefix}{k}", float(v), now, step)
-                                                    for k, v in scalars.items()])
+        self._pending = self.client.log_batch(self.run_id, metrics=[self._metric(f"{prefix}{k}", float(v), now, step)
+                                                                    for k, v in scalars.items()], synchronous=False)
+
+    def settle(self) -> None:
+        """Wait for the last log's write, long done at the next log step; its failure is raised here, one
+        log late, and Trackers turns this tracker off."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.wait()
 
     def finish(self, summary: dict[str, Any]) -> None:
+        self.settle()
         now, step = int(time.time() * 1000), summary["steps"]
         self.client.log_batch(self.run_id, metrics=[self._metric(f"summary/{k}", float(v), now, step)
                                                     for k, v in summary_scalars(summary).items()])
@@ -213,4 +224,8 @@ class MlflowTracker(Tracker):
         self.client.set_terminated(self.run_id, "FINISHED")
 
     def preempted(self, step: int) -> None:
+        self.settle()
         self.client.set_terminated(self.run_id, "KILLED")  # RUNNING again when the requeued job starts
+
+    def close(self) -> None:
+        self.settle()  # after a crash too: what was logged reaches the store before the process ends
