@@ -31,9 +31,12 @@ def checked_run(tmp_path: Path, name: str, *overrides: str) -> tuple[dict, subpr
 @pytest.mark.parametrize("overrides", [
     ("+exp=toy", "precision=fp16"),  # GradScaler; the fused optimizer skips on the device
     ("+exp=toy", "precision=fp16", "optimizer=sgd"),  # SGD without momentum: no state, fused from step 1
-    ("+exp=toy", "precision=bf16", "train.micro_batch_size=auto", "train.max_micro_batch_size=4"),
+    # Rank 1 runs out of memory in step 5's first micro-batch (its 18th loss: 1 probe, 4 per step): every rank
+    # drops the step and redoes it in micro-batches of 2, under the check, where step 5 is checked once
+    ("+exp=toy", "precision=bf16", "train.micro_batch_size=auto", "train.max_micro_batch_size=4",
+     "data.oom_rank=1", "data.oom_max_items=2", "data.oom_from_call=18"),
     ("+exp=bert", "data.n_train=256", "data.n_eval=32"),  # padded batches: the attention mask
-], ids=["toy-fp16", "toy-fp16-sgd", "toy-bf16-auto", "bert"])
+], ids=["toy-fp16", "toy-fp16-sgd", "toy-bf16-auto-oom", "bert"])
 def test_a_steady_step_would_not_wait_for_a_gpu(tmp_path: Path, request: pytest.FixtureRequest,
                                                 overrides: tuple[str, ...]) -> None:
     if overrides[0] == "+exp=bert":  # a small BERT with the real tokenizer
@@ -41,6 +44,9 @@ def test_a_steady_step_would_not_wait_for_a_gpu(tmp_path: Path, request: pytest.
     summary, out = checked_run(tmp_path, "run", *overrides, "train.sync_check=error")
     assert (summary["host_syncs"], summary["checked_steps"]) == (0, CHECKED)
     assert "wait for a GPU" not in out.stderr
+    if "data.oom_rank=1" in overrides:
+        assert "ran out of memory at step 5 with micro-batch 4; every rank redoes step 5" in out.stdout + out.stderr
+        assert summary["micro_batch_size"] == 2
 
 
 @pytest.mark.slow
@@ -89,7 +95,8 @@ def test_what_the_check_finds_on_the_cpu() -> None:
         assert check.syncs == list(reads).index(name) + 1, name
     # each place once: the reads above sit on four lines of this file
     assert len(reported) == len(check.found) == 4 and all("test_sync_check.py:" in line for line in reported)
-    assert check.read() == {"host_syncs": len(reads), "checked_steps": 1 + len(reads)}
+    # steps 7 and 8: step 8 watched again and again, as a step redone after running out of memory, is one step
+    assert check.read() == {"host_syncs": len(reads), "checked_steps": 2}
 
 
 def test_torch_s_own_cuda_warnings_are_placed_and_counted_and_others_pass(monkeypatch: pytest.MonkeyPatch) -> None:

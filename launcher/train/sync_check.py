@@ -93,6 +93,7 @@ class SyncCheck:
         self.found: dict[str, str] = {}  # place -> what it does, each place once
         self.syncs = 0
         self.checked_steps = 0
+        self.last_checked = 0  # a step redone in smaller micro-batches (out of memory) is one step
 
     def steady(self, step: int, first_step: int, busy: bool) -> bool:
         """Whether `step` is checked: past the warm-up of this start (or resume), no log, eval or checkpoint."""
@@ -117,7 +118,8 @@ class SyncCheck:
                 new.append(f"warning: step {step} {waits}: {place} {what} (train.sync_check=warn reports each "
                            f"place once; the summary's host_syncs counts them all)")
 
-        self.checked_steps += 1
+        self.checked_steps += step != self.last_checked
+        self.last_checked = step
         with _cuda_sync_debug(self.cuda, self.mode == "error", found), _DispatchWatch(found, self.cuda), \
                 (nullcontext() if self.cuda else _HostCopyWatch(found)):
             yield
