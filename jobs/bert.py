@@ -76,15 +76,18 @@ def _inputs(model: torch.nn.Module, batch: dict[str, Any]) -> dict[str, torch.Te
     """The model's inputs, none of which makes the host wait for the GPU (train.sync_check found both):
     given a 2D attention mask, HF's SDPA attention checks `mask.all()` on the GPU in every forward to learn
     whether it may skip the mask. A batch without padding (known on the CPU at collate time) goes without
-    its mask; a padded batch's mask goes in the additive 4D form that transformers 5 takes as it is
-    ("an already prepared 4D mask"), the same logits (tests/test_bert.py)."""
+    its mask; a padded batch's mask goes in a form that skips the check, the same logits (tests/test_bert.py):
+    transformers 5 takes an additive 4D mask as it is ("an already prepared 4D mask"); transformers 4 turns
+    a (batch, 1, seq) mask into that itself (get_extended_attention_mask), where a 2D one would be checked."""
     inputs = {k: v for k, v in batch.items() if k not in ("labels", "id", "padded", "attention_mask")}
     mask = batch.get("attention_mask")
     if mask is not None and batch.get("padded", True):
         hf = _hf_model(model)
-        if hf.config._attn_implementation in ("sdpa", "eager") and \
-                hasattr(sys.modules[type(hf.base_model).__module__], "create_bidirectional_mask"):  # transformers 5
-            mask = (1.0 - mask[:, None, None, :].to(hf.dtype)) * torch.finfo(hf.dtype).min
+        if hf.config._attn_implementation in ("sdpa", "eager"):
+            if hasattr(sys.modules[type(hf.base_model).__module__], "create_bidirectional_mask"):  # transformers 5
+                mask = (1.0 - mask[:, None, None, :].to(hf.dtype)) * torch.finfo(hf.dtype).min
+            else:
+                mask = mask[:, None, :]
         inputs["attention_mask"] = mask
     return inputs
 
