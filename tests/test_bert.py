@@ -147,7 +147,8 @@ def test_bert_default_runs_offline_and_learns(tmp_path: Path) -> None:
 
 
 def test_bert_mlm_default_loss_falls(tmp_path: Path) -> None:
-    out = run_cli("+exp=bert_mlm", cwd=tmp_path, timeout=600)
+    """`+exp=bert_mlm` as it ships, for a third of its steps (its loss halves by step 30 of 120; CI's time)."""
+    out = run_cli("+exp=bert_mlm", "train.max_steps=40", cwd=tmp_path, timeout=600)
     assert out.returncode == 0, out.stderr[-4000:]
     (run_dir,) = (tmp_path / "runs" / "bert_mlm").iterdir()
     losses = [m["loss"] for m in read_metrics(run_dir) if "loss" in m]
