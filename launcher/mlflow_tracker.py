@@ -59,6 +59,9 @@ def _client(uri: str) -> Any:
                           f"pip install -e '.[mlflow]'), or drop mlflow from logger=[...]") from None
     for name in ("mlflow", "alembic"):  # its INFO lines (creating tables, migrations) are not ours to show
         logging.getLogger(name).setLevel(logging.WARNING)
+    # A failed background write is logged there with the request's URL, credentials and all; the tracker
+    # raises it at the next log, where Trackers warns once, redacted
+    logging.getLogger("mlflow.utils.async_logging").setLevel(logging.CRITICAL)
     del mlflow  # imported to fail early, with the install hint, when only part of it is there
     return MlflowClient(uri)
 
@@ -228,4 +231,4 @@ class MlflowTracker(Tracker):
         self.client.set_terminated(self.run_id, "KILLED")  # RUNNING again when the requeued job starts
 
     def close(self) -> None:
-        self.settle()  # after a crash too: what was logged reaches the store before the process ends
+        self.settle()  # (after a crash RunLog does not close: MLflow's exit handler writes the last point)
