@@ -76,20 +76,34 @@ def _inputs(model: torch.nn.Module, batch: dict[str, Any]) -> dict[str, torch.Te
     """The model's inputs, none of which makes the host wait for the GPU (train.sync_check found both):
     given a 2D attention mask, HF's SDPA attention checks `mask.all()` on the GPU in every forward to learn
     whether it may skip the mask. A batch without padding (known on the CPU at collate time) goes without
-    its mask; a padded batch's mask goes in a form that skips the check, the same logits (tests/test_bert.py):
-    transformers 5 takes an additive 4D mask as it is ("an already prepared 4D mask"); transformers 4 turns
-    a (batch, 1, seq) mask into that itself (get_extended_attention_mask), where a 2D one would be checked."""
+    its mask; a padded batch's mask goes in a form that skips the check where we know one (_mask_form),
+    the same logits (tests/test_bert.py); other models get the 2D mask."""
     inputs = {k: v for k, v in batch.items() if k not in ("labels", "id", "padded", "attention_mask")}
     mask = batch.get("attention_mask")
     if mask is not None and batch.get("padded", True):
         hf = _hf_model(model)
-        if hf.config._attn_implementation in ("sdpa", "eager"):
-            if hasattr(sys.modules[type(hf.base_model).__module__], "create_bidirectional_mask"):  # transformers 5
-                mask = (1.0 - mask[:, None, None, :].to(hf.dtype)) * torch.finfo(hf.dtype).min
-            else:
-                mask = mask[:, None, :]
+        form = _mask_form(hf)
+        if form == "additive":
+            mask = (1.0 - mask[:, None, None, :].to(hf.dtype)) * torch.finfo(hf.dtype).min
+        elif form == "3d":
+            mask = mask[:, None, :]
         inputs["attention_mask"] = mask
     return inputs
+
+
+def _mask_form(hf: Any) -> str | None:
+    """An encoder (a decoder's causal mask comes only with a 2D mask) whose module builds its masks with
+    transformers 5's masking_utils takes an additive 4D mask as it is ("an already prepared 4D mask");
+    BERT and RoBERTa in transformers 4 with SDPA make a (batch, 1, seq) mask additive themselves
+    (get_extended_attention_mask) where they would check a 2D one. Eager attention in 4 never checks."""
+    attention = hf.config._attn_implementation
+    if getattr(hf.config, "is_decoder", False) or attention not in ("sdpa", "eager"):  # not every config has it
+        return None
+    if hasattr(sys.modules[type(hf.base_model).__module__], "create_bidirectional_mask"):  # transformers 5
+        return "additive"
+    if attention == "sdpa" and hf.config.model_type in ("bert", "roberta"):
+        return "3d"
+    return None
 
 
 def _hf_model(model: torch.nn.Module) -> Any:
