@@ -31,9 +31,18 @@ def _from_pretrained(cls: Any, pretrained: str, **kwargs: Any) -> Any:
                          f"save_pretrained") from None
 
 
-def classification_model(pretrained: str, num_labels: int, dtype: str = "float32") -> torch.nn.Module:
+def _dropout(dropout: float | None) -> dict[str, float]:
+    """BERT config overrides for model.dropout (checked in the parent): every dropout probability."""
+    if dropout is None:  # the checkpoint's own: 0.1 for BERT
+        return {}
+    return {"hidden_dropout_prob": dropout, "attention_probs_dropout_prob": dropout, "classifier_dropout": dropout}
+
+
+def classification_model(pretrained: str, num_labels: int, dtype: str = "float32",
+                         dropout: float | None = None) -> torch.nn.Module:
     """A hub id (bert-base-uncased) or a local dir; the classifier head is new when it has none."""
-    model = _from_pretrained(AutoModelForSequenceClassification, pretrained, num_labels=num_labels)
+    model = _from_pretrained(AutoModelForSequenceClassification, pretrained, num_labels=num_labels,
+                             **_dropout(dropout))
     return model.to(getattr(torch, dtype))
 
 
@@ -62,9 +71,9 @@ def _masked_positions(labels: torch.Tensor) -> torch.Tensor:
     return (labels.flatten() != -100).nonzero().squeeze(1)
 
 
-def masked_lm_model(pretrained: str, dtype: str = "float32") -> torch.nn.Module:
+def masked_lm_model(pretrained: str, dtype: str = "float32", dropout: float | None = None) -> torch.nn.Module:
     """BERT weights from a hub id or local dir; an MLM head is initialised when the dir has none."""
-    return _from_pretrained(BertMaskedLMSum, pretrained).to(getattr(torch, dtype))
+    return _from_pretrained(BertMaskedLMSum, pretrained, **_dropout(dropout)).to(getattr(torch, dtype))
 
 
 def _fp32(logits: torch.Tensor) -> torch.Tensor:

@@ -80,6 +80,7 @@ CASES = {  # name: (overrides, or a function of tmp_path giving them; what the l
     "cpu plan asking slurm for gpus": (["+exp=toy", "launcher=slurm", "launcher.device=cpu", "launcher.gpus_per_node=8"],
                                        "launcher.device=cpu but launcher.gpus_per_node=8"),
     "max_length zero": (["+exp=bert", "data.max_length=0"], "data.max_length=0 must be > 0"),
+    "dropout over one": (["+exp=bert", "model.dropout=1.5"], "model.dropout=1.5 must be a probability in [0, 1)"),
     "max_length beyond the model": (["+exp=bert", "data.max_length=1000"],
                                     "data.max_length=1000 is more than the 512 positions of model.pretrained="),
     "profile steps reversed": (["+exp=toy", "train.profile=[5,2]"], "train.profile=[5, 2] is not [first, last] steps"),

@@ -18,7 +18,7 @@ pytestmark = pytest.mark.slow
 def test_mlm_gradient_does_not_depend_on_the_split(tmp_path: Path, tiny_bert: Path) -> None:
     """World 2 x accum 2 == world 1 x accum 1 (float64) although micro-batches hold different numbers
     of masked tokens: the loss is normalised by the global count of loss tokens in the step."""
-    common = ("model.dtype=float64", f"model.pretrained={tiny_bert}", "train.global_batch_size=8",
+    common = ("model.dtype=float64", "model.dropout=0", f"model.pretrained={tiny_bert}", "train.global_batch_size=8",
               "train.max_steps=2", "train.max_grad_norm=null", "data.n_train=64", "data.n_eval=0")
     split = probe(tmp_path / "w2k2", 2, "sync", *common, "train.micro_batch_size=2", exp="bert_mlm")
     whole = probe(tmp_path / "w1k1", 1, "sync", *common, "train.micro_batch_size=8", exp="bert_mlm")
@@ -187,11 +187,25 @@ def test_bert_default_runs_offline_and_learns(tmp_path: Path) -> None:
     print(f"+exp=bert: {summary['wall_time_s']:.0f}s training, eval {summary['eval']}")
 
 
+def test_dropout_is_on_from_the_first_step(tmp_path: Path, tiny_bert: Path) -> None:
+    """HF's from_pretrained returns a model in eval mode: the worker trains it in train mode from step 1
+    (it once did so only after the first eval). With dropout, step 1's loss differs from model.dropout=0's
+    (tiny_bert's own config has none)."""
+    first_loss = {}
+    for dropout in ("0.3", "0"):
+        run_dir = tmp_path / f"dropout-{dropout}"
+        out = run_cli("+exp=bert", f"model.pretrained={tiny_bert}", f"model.dropout={dropout}", "data.n_train=64",
+                      "data.n_eval=0", "train.max_steps=1", "train.log_every=1", f"hydra.run.dir={run_dir}", cwd=tmp_path)
+        assert out.returncode == 0, out.stderr[-4000:]
+        (first_loss[dropout],) = [m["loss"] for m in read_metrics(run_dir) if "loss" in m]
+    assert first_loss["0.3"] != pytest.approx(first_loss["0"], rel=1e-4), first_loss
+
+
 def test_bert_mlm_default_loss_falls(tmp_path: Path) -> None:
-    """`+exp=bert_mlm` as it ships, for a third of its steps (its loss halves by step 30 of 120; CI's time)."""
+    """`+exp=bert_mlm` as it ships, for a third of its steps (CI's time): 8.13 -> 3.94 here, with dropout."""
     out = run_cli("+exp=bert_mlm", "train.max_steps=40", cwd=tmp_path, timeout=600)
     assert out.returncode == 0, out.stderr[-4000:]
     (run_dir,) = (tmp_path / "runs" / "bert_mlm").iterdir()
     losses = [m["loss"] for m in read_metrics(run_dir) if "loss" in m]
-    assert losses[-1] < 0.5 * losses[0]
+    assert losses[-1] < 0.6 * losses[0]
     print(f"+exp=bert_mlm: loss {losses[0]:.2f} -> {losses[-1]:.2f}")

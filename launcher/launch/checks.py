@@ -17,6 +17,7 @@ PATH_KEYS = ("path", "eval_path")  # data files a job reads
 MODEL_KEYS = ("pretrained", "tokenizer")  # HF hub ids or local dirs
 COLUMN_KEYS = ("text_fields", "label_field", "text_field")  # columns a tabular file must hold
 LENGTH_KEY = "max_length"  # tokens per sample a text job keeps (data.max_length)
+DROPOUT_KEY = "dropout"  # a probability that overrides the model's (model.dropout)
 
 
 def _offline() -> bool:
@@ -56,6 +57,9 @@ def check_job_inputs(config: dict[str, Any]) -> None:
             if _offline():
                 raise ConfigError(f"{group}.{key}={value} is a hub id but the hub is off (HF_HUB_OFFLINE=1); it needs "
                                   f"the hub, or a local dir written by save_pretrained")
+    dropout = (config.get("model") or {}).get(DROPOUT_KEY)
+    if dropout is not None and (isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0 <= dropout < 1):
+        raise ConfigError(f"model.dropout={dropout} must be a probability in [0, 1); null keeps the model's own")
     data = config.get("data") or {}
     _check_max_length(data.get(LENGTH_KEY), (config.get("model") or {}).get("pretrained"))
     wanted = [c for key in COLUMN_KEYS for c in ([data[key]] if isinstance(data.get(key), str) else data.get(key) or [])]

@@ -59,6 +59,7 @@ def build(cfg: DictConfig, run_dir: Path, env: launcher_dist.DistEnv) -> Run:
     seed_all(train_cfg.seed)  # the same initial weights on every rank (DDP also broadcasts rank 0's)
     task = instantiate(cfg.data)
     model = instantiate(cfg.model).to(env.device)
+    model.train()  # dropout on from step 1: HF's from_pretrained returns a model in eval mode
     if env.device.type == "cuda" and train_cfg.tf32:  # TF32 matmuls on Ampere+: ~free speed for fp32 parts
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
     trained = compile_module(model, train_cfg.compile_mode, train_cfg.compile_dynamic,
