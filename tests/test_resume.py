@@ -29,6 +29,7 @@ COMMON = ("+exp=toy", f"train.max_steps={STEPS}", "train.log_every=1", "train.ev
           "train.micro_batch_size=4")
 SLOW = ("data.sleep_s=0.01",)  # about 25 ms per step on 2 ranks: time to signal mid-run
 FP16 = ("precision=fp16", "precision.init_scale=1048576", "precision.growth_interval=5")
+DROPOUT = ("model.dropout=0.3",)  # every forward draws from its rank's random stream
 
 
 def start(run_dir: Path, *overrides: str, env: dict[str, str] | None = None) -> subprocess.Popen:
@@ -96,9 +97,9 @@ def worker_pid(parent: int, rank: int) -> int:
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """Uninterrupted runs: fp32 and fp16."""
+    """Uninterrupted runs: fp32, fp16, and with dropout."""
     runs = {}
-    for name, extra in (("fp32", ()), ("fp16", FP16)):
+    for name, extra in (("fp32", ()), ("fp16", FP16), ("dropout", DROPOUT)):
         run_dir = tmp_path_factory.mktemp("reference") / name
         finish(start(run_dir, *extra), 0)
         runs[name] = run_dir
@@ -145,6 +146,18 @@ def test_preemption_checkpoints_then_resume_auto_is_exact(tmp_path: Path, refere
     assert bitwise_equal(weights(run_dir), weights(reference["fp32"]))
     assert sample_stream(run_dir) == sample_stream(reference["fp32"])
     assert not (run_dir / "preempted.json").exists()
+
+
+def test_dropout_continues_each_ranks_random_stream_across_a_preemption(tmp_path: Path, reference) -> None:
+    """Randomness in the forward (dropout, as in +exp=bert): the resumed run draws what the uninterrupted
+    one drew, rank by rank, so losses and final weights are bitwise the same."""
+    run_dir = tmp_path / "dropout"
+    preempt(run_dir, signal.SIGUSR2, *DROPOUT)
+    finish(start(run_dir, *SLOW, *DROPOUT), 0)
+    assert [m["loss"] for m in read_metrics(run_dir) if "loss" in m] == \
+           [m["loss"] for m in read_metrics(reference["dropout"]) if "loss" in m]
+    assert bitwise_equal(weights(run_dir), weights(reference["dropout"]))
+    assert not bitwise_equal(weights(run_dir), weights(reference["fp32"]))  # dropout did something
 
 
 def test_fp16_scaler_state_survives_a_resume(tmp_path: Path, reference) -> None:

@@ -96,11 +96,17 @@ def _keep(window: Window) -> Window:
 def window_loader(windows: StepWindows, steps: Iterable[int], num_workers: int, pin_memory: bool,
                   persistent_workers: bool = False, prefetch_factor: int = 2,
                   worker_init_fn: Callable[[int], None] | None = None) -> DataLoader:
-    """Windows of the given steps, prepared ahead by `num_workers` processes (prefetch_factor each)."""
-    return DataLoader(windows, batch_size=None, sampler=list(steps), collate_fn=_keep,
+    """Windows of the given steps, prepared ahead by `num_workers` processes (prefetch_factor each).
+
+    The loader has a generator of its own: each iterator draws a seed for its workers, and from the
+    global generator that draw would shift the rank's random stream (dropout) wherever a loader starts,
+    e.g. on a resume, which would then draw other masks than the run it continues."""
+    steps = list(steps)
+    return DataLoader(windows, batch_size=None, sampler=steps, collate_fn=_keep,
                       num_workers=num_workers, pin_memory=pin_memory, worker_init_fn=worker_init_fn,
                       persistent_workers=persistent_workers and num_workers > 0,
-                      prefetch_factor=prefetch_factor if num_workers else None)
+                      prefetch_factor=prefetch_factor if num_workers else None,
+                      generator=torch.Generator().manual_seed(steps[0] if steps else 0))
 
 
 class WindowStream:
