@@ -100,13 +100,15 @@ def window_loader(windows: StepWindows, steps: Iterable[int], num_workers: int, 
 
     The loader has a generator of its own: each iterator draws a seed for its workers, and from the
     global generator that draw would shift the rank's random stream (dropout) wherever a loader starts,
-    e.g. on a resume, which would then draw other masks than the run it continues."""
+    e.g. on a resume, which would then draw other masks than the run it continues. Its seed differs per
+    rank and per first step, as the global stream's draw did."""
     steps = list(steps)
+    seed = (windows.plan.seed * 1_000_003 + windows.rank) * 1_000_003 + (steps[0] if steps else 0)
     return DataLoader(windows, batch_size=None, sampler=steps, collate_fn=_keep,
                       num_workers=num_workers, pin_memory=pin_memory, worker_init_fn=worker_init_fn,
                       persistent_workers=persistent_workers and num_workers > 0,
                       prefetch_factor=prefetch_factor if num_workers else None,
-                      generator=torch.Generator().manual_seed(steps[0] if steps else 0))
+                      generator=torch.Generator().manual_seed(seed))
 
 
 class WindowStream:
