@@ -12,7 +12,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 import transformers
-from transformers import (AutoModelForSequenceClassification, AutoTokenizer, BertForMaskedLM,
+from transformers import (AutoConfig, AutoModelForSequenceClassification, AutoTokenizer, BertForMaskedLM,
                           DataCollatorForTokenClassification, DataCollatorWithPadding)
 
 from jobs.text import GLUE_FIELDS, corpus_lines, load_file_rows, load_hub_rows, sentiment_rows
@@ -31,18 +31,31 @@ def _from_pretrained(cls: Any, pretrained: str, **kwargs: Any) -> Any:
                          f"save_pretrained") from None
 
 
-def _dropout(dropout: float | None) -> dict[str, float]:
-    """BERT config overrides for model.dropout (checked in the parent): every dropout probability."""
-    if dropout is None:  # the checkpoint's own: 0.1 for BERT
-        return {}
-    return {"hidden_dropout_prob": dropout, "attention_probs_dropout_prob": dropout, "classifier_dropout": dropout}
+# What model.dropout sets where a config has it: BERT's three, and ALBERT's, DistilBERT's, DeBERTa's names
+DROPOUT_KEYS = ("hidden_dropout_prob", "attention_probs_dropout_prob", "classifier_dropout", "classifier_dropout_prob",
+                "dropout", "attention_dropout", "seq_classif_dropout", "cls_dropout", "pooler_dropout")
+
+
+def _config(pretrained: str, dropout: float | None, **kwargs: Any) -> dict[str, Any]:
+    """from_pretrained's config: model.dropout (checked in the parent) on every dropout probability the
+    model's config has; null keeps the checkpoint's (0.1 for BERT)."""
+    if dropout is None:
+        return kwargs
+    config = _from_pretrained(AutoConfig, pretrained, **kwargs)
+    keys = [key for key in DROPOUT_KEYS if hasattr(config, key)]
+    if not keys:
+        raise ValueError(f"model.dropout={dropout}: the config of model.pretrained={pretrained} names no dropout "
+                         f"probability this job knows ({', '.join(DROPOUT_KEYS)}); set model.dropout=null")
+    for key in keys:
+        setattr(config, key, dropout)
+    return {"config": config}
 
 
 def classification_model(pretrained: str, num_labels: int, dtype: str = "float32",
                          dropout: float | None = None) -> torch.nn.Module:
     """A hub id (bert-base-uncased) or a local dir; the classifier head is new when it has none."""
-    model = _from_pretrained(AutoModelForSequenceClassification, pretrained, num_labels=num_labels,
-                             **_dropout(dropout))
+    model = _from_pretrained(AutoModelForSequenceClassification, pretrained,
+                             **_config(pretrained, dropout, num_labels=num_labels))
     return model.to(getattr(torch, dtype))
 
 
@@ -73,7 +86,7 @@ def _masked_positions(labels: torch.Tensor) -> torch.Tensor:
 
 def masked_lm_model(pretrained: str, dtype: str = "float32", dropout: float | None = None) -> torch.nn.Module:
     """BERT weights from a hub id or local dir; an MLM head is initialised when the dir has none."""
-    return _from_pretrained(BertMaskedLMSum, pretrained, **_dropout(dropout)).to(getattr(torch, dtype))
+    return _from_pretrained(BertMaskedLMSum, pretrained, **_config(pretrained, dropout)).to(getattr(torch, dtype))
 
 
 def _fp32(logits: torch.Tensor) -> torch.Tensor:
@@ -100,13 +113,18 @@ def _inputs(model: torch.nn.Module, batch: dict[str, Any]) -> dict[str, torch.Te
     return inputs
 
 
+# Encoders tested to give the 2D mask's logits with the rewritten mask (tests/test_bert.py); others keep it
+MASK_REWRITTEN = ("bert", "roberta", "albert", "electra", "distilbert")
+
+
 def _mask_form(hf: Any) -> str | None:
-    """An encoder (a decoder's causal mask comes only with a 2D mask) whose module builds its masks with
-    transformers 5's masking_utils takes an additive 4D mask as it is ("an already prepared 4D mask");
-    BERT and RoBERTa in transformers 4 with SDPA make a (batch, 1, seq) mask additive themselves
-    (get_extended_attention_mask) where they would check a 2D one. Eager attention in 4 never checks."""
+    """A known encoder whose module builds its masks with transformers 5's masking_utils takes an additive 4D
+    mask as it is ("an already prepared 4D mask"); BERT and RoBERTa in transformers 4 with SDPA make a
+    (batch, 1, seq) mask additive themselves (get_extended_attention_mask) where they would check a 2D one.
+    Eager attention in 4 never checks; a decoder's causal mask (GPT-2's too) comes only with a 2D mask."""
     attention = hf.config._attn_implementation
-    if getattr(hf.config, "is_decoder", False) or attention not in ("sdpa", "eager"):  # not every config has it
+    if hf.config.model_type not in MASK_REWRITTEN or attention not in ("sdpa", "eager") or \
+            getattr(hf.config, "is_decoder", False):  # (not every config has is_decoder)
         return None
     if hasattr(sys.modules[type(hf.base_model).__module__], "create_bidirectional_mask"):  # transformers 5
         return "additive"

@@ -97,7 +97,9 @@ def test_the_mask_form_gives_the_2d_masks_logits_for_hf_encoders_and_leaves_deco
               "albert": (hf.AlbertConfig(**small, embedding_size=16), hf.AlbertForSequenceClassification),
               "electra": (hf.ElectraConfig(**small, embedding_size=16), hf.ElectraForSequenceClassification),
               "distilbert": (hf.DistilBertConfig(vocab_size=100, dim=32, n_layers=2, n_heads=4, hidden_dim=64),
-                             hf.DistilBertForSequenceClassification)}
+                             hf.DistilBertForSequenceClassification),
+              "gpt2": (hf.GPT2Config(vocab_size=100, n_embd=32, n_layer=2, n_head=4, pad_token_id=0),
+                       hf.GPT2ForSequenceClassification)}  # causal: a prepared 4D mask would replace that
     ids = torch.randint(5, 90, (3, 9), generator=torch.Generator().manual_seed(0))
     mask = torch.ones(3, 9, dtype=torch.long)
     mask[0, 6:] = mask[2, 3:] = 0
@@ -116,9 +118,30 @@ def test_the_mask_form_gives_the_2d_masks_logits_for_hf_encoders_and_leaves_deco
         torch.testing.assert_close(ours[real], as_2d[real], rtol=0, atol=0, msg=name)
         checked.append((name, _mask_form(model)))
     forms = dict(checked)
-    assert forms["bert-decoder"] is None and {"bert", "roberta", "albert"} <= set(forms)
+    assert forms["bert-decoder"] is None and forms["gpt2"] is None and {"bert", "roberta", "albert"} <= set(forms)
     if attention == "sdpa":  # the models that would check a 2D mask on the device get another form
         assert forms["bert"] and forms["roberta"], forms
+
+
+def test_model_dropout_sets_the_dropout_each_config_names(tmp_path: Path) -> None:
+    """model.dropout reaches every dropout probability under the names the model's config uses, and a model
+    whose config names none stops with one line."""
+    import transformers as hf
+
+    configs = {"bert": hf.BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                     intermediate_size=64),
+               "distilbert": hf.DistilBertConfig(vocab_size=100, dim=32, n_layers=1, n_heads=2, hidden_dim=64),
+               "gpt2": hf.GPT2Config(vocab_size=100, n_embd=32, n_layer=1, n_head=2)}
+    for name, config in configs.items():
+        hf.AutoModelForSequenceClassification.from_config(config).save_pretrained(tmp_path / name)
+    bert = classification_model(str(tmp_path / "bert"), num_labels=2, dropout=0.25)
+    assert (bert.config.hidden_dropout_prob, bert.config.attention_probs_dropout_prob,
+            bert.config.classifier_dropout) == (0.25, 0.25, 0.25) and bert.dropout.p == 0.25
+    distil = classification_model(str(tmp_path / "distilbert"), num_labels=2, dropout=0.25)
+    assert (distil.config.dropout, distil.config.attention_dropout, distil.config.seq_classif_dropout) == (0.25,) * 3
+    assert classification_model(str(tmp_path / "bert"), num_labels=2).config.hidden_dropout_prob == 0.1  # null: its own
+    with pytest.raises(ValueError, match=r"model.dropout=0.25: the config of model.pretrained=.* names no dropout"):
+        classification_model(str(tmp_path / "gpt2"), num_labels=2, dropout=0.25)
 
 
 def test_largest_batch_holds_the_longest_samples(tiny_bert: Path) -> None:
@@ -195,7 +218,8 @@ def test_dropout_is_on_from_the_first_step(tmp_path: Path, tiny_bert: Path) -> N
     for dropout in ("0.3", "0"):
         run_dir = tmp_path / f"dropout-{dropout}"
         out = run_cli("+exp=bert", f"model.pretrained={tiny_bert}", f"model.dropout={dropout}", "data.n_train=64",
-                      "data.n_eval=0", "train.max_steps=1", "train.log_every=1", f"hydra.run.dir={run_dir}", cwd=tmp_path)
+                      "data.n_eval=0", "train.max_steps=1", "train.log_every=1", f"hydra.run.dir={run_dir}",
+                      cwd=tmp_path)
         assert out.returncode == 0, out.stderr[-4000:]
         (first_loss[dropout],) = [m["loss"] for m in read_metrics(run_dir) if "loss" in m]
     assert first_loss["0.3"] != pytest.approx(first_loss["0"], rel=1e-4), first_loss

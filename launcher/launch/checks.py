@@ -58,7 +58,8 @@ def check_job_inputs(config: dict[str, Any]) -> None:
                 raise ConfigError(f"{group}.{key}={value} is a hub id but the hub is off (HF_HUB_OFFLINE=1); it needs "
                                   f"the hub, or a local dir written by save_pretrained")
     dropout = (config.get("model") or {}).get(DROPOUT_KEY)
-    if dropout is not None and (isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0 <= dropout < 1):
+    probability = isinstance(dropout, (int, float)) and not isinstance(dropout, bool) and 0 <= dropout < 1
+    if dropout is not None and not probability:
         raise ConfigError(f"model.dropout={dropout} must be a probability in [0, 1); null keeps the model's own")
     data = config.get("data") or {}
     _check_max_length(data.get(LENGTH_KEY), (config.get("model") or {}).get("pretrained"))
