@@ -93,6 +93,11 @@ def _keep(window: Window) -> Window:
     return window
 
 
+def rank_seed(seed: int, rank: int, step: int) -> int:
+    """A seed for `rank`'s random stream from `step` on: different for every rank and every step."""
+    return (seed * 1_000_003 + rank) * 1_000_003 + step
+
+
 def window_loader(windows: StepWindows, steps: Iterable[int], num_workers: int, pin_memory: bool,
                   persistent_workers: bool = False, prefetch_factor: int = 2,
                   worker_init_fn: Callable[[int], None] | None = None) -> DataLoader:
@@ -103,7 +108,7 @@ def window_loader(windows: StepWindows, steps: Iterable[int], num_workers: int, 
     e.g. on a resume, which would then draw other masks than the run it continues. Its seed differs per
     rank and per first step, as the global stream's draw did."""
     steps = list(steps)
-    seed = (windows.plan.seed * 1_000_003 + windows.rank) * 1_000_003 + (steps[0] if steps else 0)
+    seed = rank_seed(windows.plan.seed, windows.rank, steps[0] if steps else 0)
     return DataLoader(windows, batch_size=None, sampler=steps, collate_fn=_keep,
                       num_workers=num_workers, pin_memory=pin_memory, worker_init_fn=worker_init_fn,
                       persistent_workers=persistent_workers and num_workers > 0,

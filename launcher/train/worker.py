@@ -26,7 +26,7 @@ from launcher.preempt import REQUEUE_EXIT_CODE, StopFlag, preemption_signals
 from launcher.train import checkpoint, micro_batch
 from launcher.train import dist as launcher_dist
 from launcher.train.compiled import CompileWatch, compile_module, failures_in_one_line
-from launcher.train.data import DataPlan
+from launcher.train.data import DataPlan, rank_seed
 from launcher.train.ledger import Progress
 from launcher.train.loop import Run, train
 from launcher.train.metrics import RunLog
@@ -125,7 +125,7 @@ def restore(run: Run, state: dict[str, Any] | None, seed: int, allow_config_chan
     if len(state["rng"]) == run.env.world_size:  # the same ranks: continue each rank's random stream
         checkpoint.set_rng_state(state["rng"][run.env.rank], run.env.device)
     else:  # another world size: fresh, still deterministic per-rank streams
-        seed_all((seed * 1_000_003 + run.env.rank) * 1_000_003 + progress.step)
+        seed_all(rank_seed(seed, run.env.rank, progress.step))
     run.log.info(f"resumed from step {progress.step} ({run.run_dir / 'checkpoints' / str(progress.step)})")
     return progress
 
