@@ -53,35 +53,9 @@ def one_round(precision: str, compiled: bool, args: argparse.Namespace, gpus: in
     return launcher, raw
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--micro", type=int, default=128)
-    parser.add_argument("--accum", type=int, default=4)
-    parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--log-every", type=int, default=5)
-    parser.add_argument("--precisions", default="fp32,bf16,fp16")
-    parser.add_argument("--compile", default="off,on")
-    parser.add_argument("--compile-mode", default=None,
-                        help="train.compile_mode for compiled rows; CUDA-graph modes need --accum 1")
-    parser.add_argument("--out", type=Path, default=REPO / "bench" / "RESULTS-GPU.md")
-    args = parser.parse_args()
-    gpus = torch.cuda.device_count()
-    rows = []
-    with tempfile.TemporaryDirectory() as tmp:
-        for compiled in [mode == "on" for mode in args.compile.split(",")]:
-            for precision in args.precisions.split(","):
-                rounds = [one_round(precision, compiled, args, gpus, Path(tmp)) for _ in range(args.rounds)]
-                ratios = [a["samples_per_s"] / b["samples_per_s"] for a, b in rounds]
-                row = {"precision": precision, "compiled": compiled, "ratios": ratios,
-                       **{f"{who}_{key}": statistics.median(r[i][key] for r in rounds)
-                          for i, who in enumerate(("launcher", "raw"))
-                          for key in ("samples_per_s", "peak_mem_mb", "first_step_s")},
-                       "graphs": {launcher["compiled"] for launcher, _ in rounds}}
-                rows.append(row)
-                print(f"{precision} {'compiled' if compiled else 'eager'}: launcher {row['launcher_samples_per_s']:.0f}"
-                      f" samples/s, raw {row['raw_samples_per_s']:.0f}, ratios {', '.join(f'{x:.3f}' for x in ratios)}",
-                      flush=True)
+def write_table(rows: list[dict], args: argparse.Namespace, gpus: int) -> list[str]:
+    """The results so far as a markdown table, written to args.out (after every row: a run cut off keeps
+    the rows it finished)."""
     name = torch.cuda.get_device_name(0)
     lines = ["# GPU benchmark: launcher vs a hand-written torchrun + NCCL DDP loop\n",
              f"{gpus} x {name}; torch {torch.__version__}, CUDA {torch.version.cuda}; BERT-base (12 x 768, 12 heads, "
@@ -102,4 +76,41 @@ def main() -> None:
             f"{r['launcher_first_step_s']:.1f} / {r['raw_first_step_s']:.1f} | "
             f"{'; '.join(f'{g}, {b}' for g, b in sorted(r['graphs'])) if r['compiled'] else '-'} |")
     args.out.write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    return lines
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--micro", type=int, default=128)
+    parser.add_argument("--accum", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--log-every", type=int, default=5)
+    parser.add_argument("--precisions", default="fp32,bf16,fp16")
+    parser.add_argument("--compile", default="off,on")
+    parser.add_argument("--compile-mode", default=None,
+                        help="train.compile_mode for compiled rows; CUDA-graph modes need --accum 1")
+    parser.add_argument("--out", type=Path, default=REPO / "bench" / "RESULTS-GPU.md")
+    args = parser.parse_args()
+    gpus = torch.cuda.device_count()
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for compiled in [mode == "on" for mode in args.compile.split(",")]:
+            for precision in args.precisions.split(","):
+                rounds = []
+                for _ in range(args.rounds):
+                    rounds.append(one_round(precision, compiled, args, gpus, Path(tmp)))
+                    print(f"  round: launcher {rounds[-1][0]['samples_per_s']:.0f}, raw {rounds[-1][1]['samples_per_s']:.0f}"
+                          " samples/s", flush=True)
+                ratios = [a["samples_per_s"] / b["samples_per_s"] for a, b in rounds]
+                row = {"precision": precision, "compiled": compiled, "ratios": ratios,
+                       **{f"{who}_{key}": statistics.median(r[i][key] for r in rounds)
+                          for i, who in enumerate(("launcher", "raw"))
+                          for key in ("samples_per_s", "peak_mem_mb", "first_step_s")},
+                       "graphs": {launcher["compiled"] for launcher, _ in rounds}}
+                rows.append(row)
+                write_table(rows, args, gpus)
+                print(f"{precision} {'compiled' if compiled else 'eager'}: launcher {row['launcher_samples_per_s']:.0f}"
+                      f" samples/s, raw {row['raw_samples_per_s']:.0f}, ratios {', '.join(f'{x:.3f}' for x in ratios)}",
+                      flush=True)
+    print("\n".join(write_table(rows, args, gpus)))

@@ -4,18 +4,20 @@
 # (ignored: list it in .git/info/exclude); every other part installs from .gpu/ first and writes its log
 # and results under $OUT:
 #   bash bench/gpu_check.sh prepare                 # here, venv active: wheels the machine lacks, a stand-in model
-#   bash bench/gpu_check.sh gpu                     # there (carry .gpu): python -m pytest -m gpu
-#   bash bench/gpu_check.sh suite [TEST_FILE...]    # there: CPU-plan tests with the GPU visible
+#   bash bench/gpu_check.sh setup                   # there: the installs only
+#   bash bench/gpu_check.sh gpu [PYTEST_ARG...]     # there (carry .gpu): python -m pytest -m gpu
+#   bash bench/gpu_check.sh suite [PYTEST_ARG...]   # there: the rest of the suite with the GPU visible
 #   bash bench/gpu_check.sh bert                    # there: python -m launcher +exp=bert
 #   bash bench/gpu_check.sh bench [ARG...]          # there: python bench/compare.py ARG... --out $OUT/...
 # The machine (torch, transformers, tensorboard, rich, safetensors, pytest preinstalled; ../shared/GPU.md)
 # lacks hydra-core, omegaconf, antlr4 and submitit; the 83 MB model package is over what a call carries,
 # so `prepare` writes a stand-in for it: all-MiniLM-L6-v2's tokenizer files with a 2-layer BERT of random
 # weights (+exp=bert then trains that; accuracy numbers there mean nothing). MLflow and W&B are not
-# brought: the parts leave out test_tracking.py (it imports both), and test_slurm.py (no Slurm there).
+# brought: the parts leave out the tests that import MLflow, and test_slurm.py (no Slurm there). pytest-xdist is
+# there: `-n 8` runs the tests on 8 of the 16 cores.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-part=${1:?usage: bash bench/gpu_check.sh prepare|gpu|suite|bert|bench [...]}
+part=${1:?usage: bash bench/gpu_check.sh prepare|setup|gpu|suite|bert|bench [...]}
 shift
 out=${OUT:-gpu-out}
 mkdir -p "$out"
@@ -56,16 +58,15 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$out/gpu
 python -c 'import torch, transformers; print("torch", torch.__version__, "cuda", torch.version.cuda,
     "transformers", transformers.__version__)' | tee "$out/versions.txt"
 
+no_mlflow=(--ignore=tests/test_tracking.py --ignore=tests/test_tracker_writes.py)  # they import MLflow
 case "$part" in
-    gpu) python -m pytest -m gpu -p no:cacheprovider --ignore=tests/test_tracking.py 2>&1 | tee "$out/pytest-gpu.log" ;;
-    suite)
-        files=("$@")
-        [ ${#files[@]} -gt 0 ] || files=(tests/test_units.py tests/test_configs.py tests/test_cli.py
-                                         tests/test_bad_input.py tests/test_distributed_math.py)
-        python -m pytest -p no:cacheprovider "${files[@]}" 2>&1 | tee "$out/pytest-suite.log" ;;
+    setup) ;;  # the installs above only: parts run side by side after it
+    gpu) python -m pytest -m gpu -p no:cacheprovider "${no_mlflow[@]}" "$@" 2>&1 | tee "$out/pytest-gpu.log" ;;
+    suite) python -m pytest -m 'not gpu' -p no:cacheprovider "${no_mlflow[@]}" --ignore=tests/test_slurm.py "$@" \
+               2>&1 | tee "$out/pytest-suite.log" ;;
     bert) run_dir=$(mktemp -d)/bert  # only a few files come back from $OUT: the log, metrics and summary
           python -m launcher +exp=bert hydra.run.dir="$run_dir" 2>&1 | tee "$out/bert.log"
           cp "$run_dir/metrics.jsonl" "$out/bert-metrics.jsonl"; cp "$run_dir/summary.json" "$out/bert-summary.json" ;;
     bench) python bench/compare.py "$@" --out "$out/RESULTS-GPU.md" 2>&1 | tee "$out/bench.log" ;;
-    *) echo "unknown part $part: prepare, gpu, suite, bert or bench" >&2; exit 2 ;;
+    *) echo "unknown part $part: prepare, setup, gpu, suite, bert or bench" >&2; exit 2 ;;
 esac
