@@ -200,7 +200,7 @@ def test_micro_batch_auto_probes_real_gpu_memory(tmp_path: Path, tiny_bert: Path
                      "train.max_steps=10", "data.n_train=400", "data.n_eval=101")
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["micro_batch_size"] == 32 and summary["grad_accum_steps"] == 1  # a tiny BERT: the whole share
-    assert json.loads((run_dir / "micro_batch.json").read_text())["why"] == "probed: rank 0 tried 32 fits"
+    assert json.loads((run_dir / "micro_batch.json").read_text())["why"] == "tried rank 0: 32 fits"
 
 
 def test_running_out_of_memory_on_cuda_redoes_the_step(tmp_path: Path) -> None:
