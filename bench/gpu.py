@@ -1,10 +1,11 @@
 """The GPU half of bench/compare.py: the launcher vs the hand-written loop (bench/raw_ddp.py in its CUDA
 mode) on BERT-base (12 x 768, 12 heads, seq 128, random tokens) on every visible GPU, NCCL.
 
-Per precision (fp32 with TF32, bf16, fp16) and mode (eager, compiled), interleaved rounds (launcher,
-then raw, every round): samples/s (global batch over the median step time after warm-up), the ratio
-within the round, MFU (6 x non-embedding parameters x tokens/s over the GPUs' bf16/fp16 peak, half
-that for fp32), peak memory (max_memory_allocated, rank 0) and seconds to the end of the first step.
+Per precision (fp32 with TF32, bf16, fp16) and mode (eager, compiled), interleaved rounds (launcher
+first in odd rounds, raw first in even ones): samples/s (global batch over the median step time after
+warm-up), the ratio within the round, MFU (6 x non-embedding parameters x tokens/s over the GPUs'
+bf16/fp16 peak, half that for fp32), peak memory (max_memory_allocated, rank 0) and seconds to the end
+of the first step.
 Run: python bench/compare.py [--rounds 2] [--micro 128] [--precisions fp32,bf16,fp16] [--compile off,on]
      [--compile-mode reduce-overhead --accum 1]
 """
@@ -13,6 +14,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import tempfile
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -34,20 +36,29 @@ def mfu(samples_per_s: float, precision: str, gpus: int) -> float | None:
     return training_flops_per_item(model) * samples_per_s * BERT_BASE["seq_len"] / (peak * gpus)
 
 
-def one_round(precision: str, compiled: bool, args: argparse.Namespace, gpus: int, work: Path) -> tuple[dict, dict]:
+def one_round(precision: str, compiled: bool, args: argparse.Namespace, gpus: int, work: Path,
+              raw_first: bool) -> tuple[dict, dict]:
+    """The launcher's and the raw loop's run, in the order given: rounds alternate it, since the second run
+    of a round finds inductor's kernels (both compile the same model) and the GPU as the first left them."""
     global_batch = args.micro * args.accum * gpus
-    launcher = run_launcher(precision, work, args.log_every, args.steps, (
+    launcher_args = (
         f"model.layers={BERT_BASE['layers']}", f"model.hidden={BERT_BASE['hidden']}",
         f"model.heads={BERT_BASE['heads']}", f"data.seq_len={BERT_BASE['seq_len']}",
         f"data.n_samples={max(4096, 2 * global_batch)}", "launcher.device=cuda", f"launcher.nproc_per_node={gpus}",
         f"train.micro_batch_size={args.micro}", f"train.global_batch_size={global_batch}",
         f"train.compile={str(compiled).lower()}", *([f"train.compile_mode={args.compile_mode}"] if compiled and
-                                                     args.compile_mode else [])))
-    raw = run_raw(precision, args.log_every, args.steps, (
+                                                     args.compile_mode else []))
+    raw_args = (
         f"--layers={BERT_BASE['layers']}", f"--hidden={BERT_BASE['hidden']}", f"--heads={BERT_BASE['heads']}",
         f"--seq-len={BERT_BASE['seq_len']}", f"--micro={args.micro}", f"--accum={args.accum}",
         *(["--compile"] if compiled else []), *([f"--compile-mode={args.compile_mode}"] if compiled and
-                                                 args.compile_mode else [])), nproc=gpus)
+                                                 args.compile_mode else []))
+    launch = partial(run_launcher, precision, work, args.log_every, args.steps, launcher_args)
+    raw_loop = partial(run_raw, precision, args.log_every, args.steps, raw_args, nproc=gpus)
+    if raw_first:
+        raw, launcher = raw_loop(), launch()
+    else:
+        launcher, raw = launch(), raw_loop()
     for result in (launcher, raw):
         result["samples_per_s"] = global_batch / result["step_s"]
     return launcher, raw
@@ -60,7 +71,8 @@ def write_table(rows: list[dict], args: argparse.Namespace, gpus: int) -> list[s
     lines = ["# GPU benchmark: launcher vs a hand-written torchrun + NCCL DDP loop\n",
              f"{gpus} x {name}; torch {torch.__version__}, CUDA {torch.version.cuda}; BERT-base (12 x 768, 12 heads, "
              f"seq 128, random tokens), micro-batch {args.micro}, accumulation {args.accum}, fused AdamW, clipping 1.0; "
-             f"{args.rounds} interleaved rounds of {args.steps} steps, timed after step {args.log_every}"
+             f"{args.rounds} interleaved rounds (launcher first, then raw first, ...) of {args.steps} steps, timed after "
+             f"step {args.log_every}"
              f"{f'; compiled with mode {args.compile_mode}' if args.compile_mode else ''}.\n",
              "| precision | mode | launcher samples/s | raw samples/s | ratio (median; per round) | MFU launcher / raw "
              "| peak memory launcher / raw (GB) | first step launcher / raw (s) | launcher graphs, breaks |",
@@ -98,10 +110,12 @@ def main() -> None:
         for compiled in [mode == "on" for mode in args.compile.split(",")]:
             for precision in args.precisions.split(","):
                 rounds = []
-                for _ in range(args.rounds):
-                    rounds.append(one_round(precision, compiled, args, gpus, Path(tmp)))
-                    print(f"  round: launcher {rounds[-1][0]['samples_per_s']:.0f}, raw {rounds[-1][1]['samples_per_s']:.0f}"
-                          " samples/s", flush=True)
+                for i in range(args.rounds):  # launcher first, then raw first, ...
+                    launcher, raw = one_round(precision, compiled, args, gpus, Path(tmp), raw_first=i % 2 == 1)
+                    rounds.append((launcher, raw))
+                    print(f"  round {i + 1} ({'raw' if i % 2 else 'launcher'} first): launcher "
+                          f"{launcher['samples_per_s']:.0f}, raw {raw['samples_per_s']:.0f} samples/s; first step "
+                          f"{launcher['first_step_s']:.1f} / {raw['first_step_s']:.1f} s", flush=True)
                 ratios = [a["samples_per_s"] / b["samples_per_s"] for a, b in rounds]
                 row = {"precision": precision, "compiled": compiled, "ratios": ratios,
                        **{f"{who}_{key}": statistics.median(r[i][key] for r in rounds)
