@@ -9,6 +9,7 @@
 #   bash bench/gpu_check.sh suite [PYTEST_ARG...]   # there: the rest of the suite with the GPU visible
 #   bash bench/gpu_check.sh bert                    # there: python -m launcher +exp=bert
 #   bash bench/gpu_check.sh bench [ARG...]          # there: python bench/compare.py ARG... --out $OUT/...
+#   bash bench/gpu_check.sh profile [ARG...]        # there: the raw loop eager/compiled, profiled (bench/raw_ddp.py)
 # The machine (torch, transformers, tensorboard, rich, safetensors, pytest preinstalled; ../shared/GPU.md)
 # lacks hydra-core, omegaconf, antlr4, submitit and datasets; the 83 MB model package is over what a call carries,
 # so `prepare` writes a stand-in for it: all-MiniLM-L6-v2's tokenizer files with a 2-layer BERT of random
@@ -21,7 +22,7 @@
 # send the next call at once. Never `pkill -f <word>` in a call: the call's own shell matches its words.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-part=${1:?usage: bash bench/gpu_check.sh prepare|setup|gpu|suite|bert|bench [...]}
+part=${1:?usage: bash bench/gpu_check.sh prepare|setup|gpu|suite|bert|bench|profile [...]}
 shift
 out=${OUT:-gpu-out}
 mkdir -p "$out"
@@ -77,5 +78,15 @@ case "$part" in
           python -m launcher +exp=bert hydra.run.dir="$run_dir" 2>&1 | tee "$out/bert.log"
           cp "$run_dir/metrics.jsonl" "$out/bert-metrics.jsonl"; cp "$run_dir/summary.json" "$out/bert-summary.json" ;;
     bench) python bench/compare.py "$@" --out "$out/RESULTS-GPU.md" 2>&1 | tee "$out/bench.log" ;;
-    *) echo "unknown part $part: prepare, setup, gpu, suite, bert or bench" >&2; exit 2 ;;
+    profile) # why compile pays or not: the raw loop on BERT-base eager, compiled as the launcher compiles
+             # (the module in DDP) and compiled around DDP; ARG... go to each run (e.g. --precision fp16)
+        for variant in eager compiled compiled-outer; do
+            flags=(); [ "$variant" = eager ] || flags+=(--compile); [ "$variant" = compiled-outer ] && flags+=(--compile-outer)
+            python -m torch.distributed.run --standalone --nproc-per-node=1 bench/raw_ddp.py --layers=12 --hidden=768 \
+                --heads=12 --micro=128 --steps=20 --log-every=5 "${flags[@]}" --profile "$out/profile-$variant.txt" "$@" \
+                | tail -n 1 | python -c 'import json, statistics, sys; r = json.load(sys.stdin); s = r["stamps"]
+print(sys.argv[1], round(r["samples_per_step"] * 5 / statistics.median(b - a for a, b in zip(s[1:], s[2:]))),
+      "samples/s, peak", round(r["peak_mem_mb"]), "MB")' "$variant" 2>&1 | tee -a "$out/profile.log"
+        done ;;
+    *) echo "unknown part $part: prepare, setup, gpu, suite, bert, bench or profile" >&2; exit 2 ;;
 esac

@@ -3,6 +3,10 @@ against. Same model and data as `+exp=bench` (jobs/bench.py); micro-batches 1..K
 autocast for bf16/fp16 (GradScaler for fp16), clipping, fused AdamW (as the launcher's default). On CUDA:
 NCCL, one GPU per rank, TF32, pinned batches copied with non_blocking, optionally torch.compile; gloo on the CPU.
 Run: torchrun --standalone --nproc-per-node 2 bench/raw_ddp.py [--precision bf16] [--compile [--compile-mode M]]
+For finding out why compile pays or not on a GPU: --compile-outer compiles DDP itself (torch.compile(DDP(m)),
+dynamo's DDPOptimizer splits the graph at the buckets) instead of the module DDP wraps, as the launcher does;
+--profile FILE runs two more steps after the timed ones under torch.profiler and writes their op table (the
+most device time first) and the time per step on host and device.
 """
 from __future__ import annotations
 
@@ -40,6 +44,8 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--compile", action="store_true")
     parser.add_argument("--compile-mode", default=None, help="torch.compile's mode (with --compile)")
+    parser.add_argument("--compile-outer", action="store_true", help="torch.compile(DDP(module)), with --compile")
+    parser.add_argument("--profile", type=Path, default=None, help="op table of two profiled steps after the timed ones")
     parser.add_argument("--count-syncs", action="store_true")
     args = parser.parse_args()
     cuda = torch.cuda.is_available()
@@ -51,8 +57,11 @@ def main() -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
     module = bert_from_config(args.layers, args.hidden, args.heads, max_length=args.seq_len).to(device)
-    model = DDP(torch.compile(module, mode=args.compile_mode) if args.compile else module,
-                device_ids=[device.index] if cuda else None)
+    device_ids = [device.index] if cuda else None
+    if args.compile and args.compile_outer:
+        model = torch.compile(DDP(module, device_ids=device_ids), mode=args.compile_mode)
+    else:
+        model = DDP(torch.compile(module, mode=args.compile_mode) if args.compile else module, device_ids=device_ids)
     per_rank = args.micro * args.accum
     data = RandomTokens(n_samples=max(4096, 2 * per_rank * world), seq_len=args.seq_len)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01, fused=True)
@@ -65,10 +74,8 @@ def main() -> None:
             return allreduce_hook(None, bucket)
         model.register_comm_hook(None, counting_hook)
     order = torch.Generator().manual_seed(0)
-    stamps, first_step = [], None
-    for step in range(args.steps):
-        if step == 1:  # DDP rebuilds its buckets in grad-ready order after the first step: count from then on
-            syncs[0] = 0
+
+    def train_step() -> torch.Tensor:
         indices = torch.randperm(len(data.train_set), generator=order)[:per_rank * world]
         mine = indices[rank * per_rank:(rank + 1) * per_rank]
         if args.compile_mode in ("reduce-overhead", "max-autotune"):
@@ -86,20 +93,53 @@ def main() -> None:
         scaler.step(optimizer)
         scaler.update()
         optimizer.zero_grad(set_to_none=True)
+        return loss
+
+    stamps, first_step = [], None
+    for step in range(args.steps):
+        if step == 1:  # DDP rebuilds its buckets in grad-ready order after the first step: count from then on
+            syncs[0] = 0
+        loss = train_step()
         if first_step is None:
             loss.item()  # the first step has really run (the GPU caught up)
             first_step = time.time()
         if (step + 1) % args.log_every == 0:
             loss.item()  # waits for the GPU: the stamp is the end of this step
             stamps.append(time.time())
+    if args.profile and rank == 0:
+        profile(train_step, args.profile, cuda)
+    elif args.profile:
+        for _ in range(2):
+            train_step()  # the other ranks' steps, for rank 0's collectives
     if rank == 0:
         peak = torch.cuda.max_memory_allocated(device) / 2**20 if cuda else \
             resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         print(json.dumps({"stamps": stamps, "first_step_unix_time": first_step, "syncs_per_step": syncs[0] / (args.steps - 1),
                           "peak_mem_mb": peak, "samples_per_step": per_rank * world}), flush=True)
-    del model, optimizer  # DDP must be collected while Python is alive (see launcher.train.dist.shutdown)
+    model = optimizer = None  # DDP must be collected while Python is alive (see launcher.train.dist.shutdown)
     gc.collect()
     dist.destroy_process_group()
+
+
+def profile(train_step, out: Path, cuda: bool) -> None:
+    """Two steps under torch.profiler: their ops, the most device time (host time on the CPU) first, and
+    each step's host and device time, into `out`."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as profiler
+
+    activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]
+    started = time.time()
+    with profiler(activities=activities) as prof:
+        for _ in range(2):
+            train_step().item()
+    wall = (time.time() - started) / 2
+    events = prof.key_averages()
+    kernels = [e for e in events if e.device_type.name == "CUDA"]  # host ops count their kernels' time too
+    sort_by = "self_device_time_total" if cuda else "self_cpu_time_total"
+    out.write_text(f"per step: wall {wall * 1e3:.1f} ms (profiled), device busy "
+                   f"{sum(e.self_device_time_total for e in kernels) / 2e3:.1f} ms in "
+                   f"{sum(e.count for e in kernels) // 2} kernels\n\n"
+                   + events.table(sort_by=sort_by, row_limit=40, max_name_column_width=60) + "\n")
 
 
 if __name__ == "__main__":
