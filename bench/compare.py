@@ -139,7 +139,7 @@ def main() -> None:
         log_ratios = logging_cost(work, args.rounds)
         syncs = count_launcher_syncs(work)
         raw_syncs = raw_result("--count-syncs", f"--steps={SYNC_STEPS}", "--log-every=1")["syncs_per_step"]
-    lines = [f"# Benchmark: launcher vs a hand-written torchrun DDP loop\n",
+    lines = ["# Benchmark: launcher vs a hand-written torchrun DDP loop\n",
              f"Machine: {platform.machine()}, {platform.processor() or 'cpu'}, {__import__('os').cpu_count()} cores; "
              f"torch {__import__('torch').__version__}; 2 ranks (gloo); BERT 4 x 256, 4 heads, seq 128, random tokens,"
              f" micro-batch 8, accumulation 4, AdamW, clipping 1.0; {args.rounds} interleaved rounds of {STEPS} steps.\n",
