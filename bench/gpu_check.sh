@@ -85,7 +85,7 @@ case "$part" in
             python -m torch.distributed.run --standalone --nproc-per-node=1 bench/raw_ddp.py --layers=12 --hidden=768 \
                 --heads=12 --micro=128 --steps=20 --log-every=5 "${flags[@]}" --profile "$out/profile-$variant.txt" "$@" \
                 | tail -n 1 | python -c 'import json, statistics, sys; r = json.load(sys.stdin); s = r["stamps"]
-print(sys.argv[1], round(r["samples_per_step"] * 5 / statistics.median(b - a for a, b in zip(s[1:], s[2:]))),
+print(sys.argv[1], round(r["samples_per_step"] * r["log_every"] / statistics.median(b - a for a, b in zip(s[1:], s[2:]))),
       "samples/s, peak", round(r["peak_mem_mb"]), "MB")' "$variant" 2>&1 | tee -a "$out/profile.log"
         done ;;
     *) echo "unknown part $part: prepare, setup, gpu, suite, bert, bench or profile" >&2; exit 2 ;;

@@ -115,7 +115,8 @@ def main() -> None:
         peak = torch.cuda.max_memory_allocated(device) / 2**20 if cuda else \
             resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         print(json.dumps({"stamps": stamps, "first_step_unix_time": first_step, "syncs_per_step": syncs[0] / (args.steps - 1),
-                          "peak_mem_mb": peak, "samples_per_step": per_rank * world}), flush=True)
+                          "peak_mem_mb": peak, "samples_per_step": per_rank * world,
+                          "log_every": args.log_every}), flush=True)
     model = optimizer = None  # DDP must be collected while Python is alive (see launcher.train.dist.shutdown)
     gc.collect()
     dist.destroy_process_group()
