@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import tempfile
-from functools import partial
+from functools import cache, partial
 from pathlib import Path
 
 import torch
@@ -24,16 +24,23 @@ from compare import REPO, run_launcher, run_raw
 BERT_BASE = {"layers": 12, "hidden": 768, "heads": 12, "seq_len": 128}
 
 
-def mfu(samples_per_s: float, precision: str, gpus: int) -> float | None:
+@cache
+def flops_per_token() -> float:
+    """BERT-base's training FLOPs per token, from a model built once (the table is written after every row)."""
     from jobs.bench import bert_from_config
-    from launcher.train.meter import peak_flops, training_flops_per_item
+    from launcher.train.meter import training_flops_per_item
+
+    return training_flops_per_item(bert_from_config(BERT_BASE["layers"], BERT_BASE["hidden"], BERT_BASE["heads"],
+                                                    max_length=BERT_BASE["seq_len"]))
+
+
+def mfu(samples_per_s: float, precision: str, gpus: int) -> float | None:
+    from launcher.train.meter import peak_flops
 
     peak = peak_flops(torch.device("cuda", 0), precision)
     if peak is None:
         return None
-    model = bert_from_config(BERT_BASE["layers"], BERT_BASE["hidden"], BERT_BASE["heads"],
-                             max_length=BERT_BASE["seq_len"])
-    return training_flops_per_item(model) * samples_per_s * BERT_BASE["seq_len"] / (peak * gpus)
+    return flops_per_token() * samples_per_s * BERT_BASE["seq_len"] / (peak * gpus)
 
 
 def one_round(precision: str, compiled: bool, args: argparse.Namespace, gpus: int, work: Path,
