@@ -9,13 +9,15 @@ import torch
 import torch.nn.functional as F
 from transformers import BertConfig, BertForSequenceClassification
 
+from jobs.attention import use_sdpa_unmasked
+
 
 def bert_from_config(layers: int = 4, hidden: int = 256, heads: int = 4, vocab_size: int = 30522,
                      max_length: int = 128, num_labels: int = 2) -> torch.nn.Module:
     config = BertConfig(vocab_size=vocab_size, hidden_size=hidden, num_hidden_layers=layers,
                         num_attention_heads=heads, intermediate_size=4 * hidden,
                         max_position_embeddings=max_length, num_labels=num_labels)
-    return BertForSequenceClassification(config)
+    return use_sdpa_unmasked(BertForSequenceClassification(config))  # no mask built when compiled (jobs/attention.py)
 
 
 class RandomTokens:
@@ -40,7 +42,7 @@ class RandomTokens:
 
     def loss_sum(self, model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         # No padding, so no attention mask for the model (the batch keeps it for tokens/s): with one, HF's
-        # SDPA attention checks `mask.all()` on the GPU, a host sync in every forward.
+        # SDPA attention checks `mask.all()` on the GPU, a host sync in every forward (jobs/attention.py).
         logits = model(input_ids=batch["input_ids"]).logits
         return F.cross_entropy(logits.float(), batch["labels"], reduction="sum")
 

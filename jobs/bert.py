@@ -5,7 +5,6 @@ Exercised by: `python -m launcher +exp=bert` and `python -m launcher +exp=bert_m
 from __future__ import annotations
 
 import os
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +14,7 @@ import transformers
 from transformers import (AutoConfig, AutoModelForSequenceClassification, AutoTokenizer, BertForMaskedLM,
                           DataCollatorForTokenClassification, DataCollatorWithPadding)
 
+from jobs.attention import model_inputs, use_sdpa_unmasked
 from jobs.text import GLUE_FIELDS, corpus_lines, load_file_rows, load_hub_rows, sentiment_rows
 
 transformers.utils.logging.disable_progress_bar()
@@ -56,7 +56,7 @@ def classification_model(pretrained: str, num_labels: int, dtype: str = "float32
     """A hub id (bert-base-uncased) or a local dir; the classifier head is new when it has none."""
     model = _from_pretrained(AutoModelForSequenceClassification, pretrained,
                              **_config(pretrained, dropout, num_labels=num_labels))
-    return model.to(getattr(torch, dtype))
+    return use_sdpa_unmasked(model).to(getattr(torch, dtype))
 
 
 class BertMaskedLMSum(BertForMaskedLM):
@@ -86,57 +86,13 @@ def _masked_positions(labels: torch.Tensor) -> torch.Tensor:
 
 def masked_lm_model(pretrained: str, dtype: str = "float32", dropout: float | None = None) -> torch.nn.Module:
     """BERT weights from a hub id or local dir; an MLM head is initialised when the dir has none."""
-    return _from_pretrained(BertMaskedLMSum, pretrained, **_config(pretrained, dropout)).to(getattr(torch, dtype))
+    model = _from_pretrained(BertMaskedLMSum, pretrained, **_config(pretrained, dropout))
+    return use_sdpa_unmasked(model).to(getattr(torch, dtype))
 
 
 def _fp32(logits: torch.Tensor) -> torch.Tensor:
     """Half-precision logits go to float32 for the loss; float32/float64 stay as they are."""
     return logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
-
-
-def _inputs(model: torch.nn.Module, batch: dict[str, Any]) -> dict[str, torch.Tensor]:
-    """The model's inputs, none of which makes the host wait for the GPU (train.sync_check found both):
-    given a 2D attention mask, HF's SDPA attention checks `mask.all()` on the GPU in every forward to learn
-    whether it may skip the mask. A batch without padding (known on the CPU at collate time) goes without
-    its mask; a padded batch's mask goes in a form that skips the check where we know one (_mask_form),
-    the same logits (tests/test_bert.py); other models get the 2D mask."""
-    inputs = {k: v for k, v in batch.items() if k not in ("labels", "id", "padded", "attention_mask")}
-    mask = batch.get("attention_mask")
-    if mask is not None and batch.get("padded", True):
-        hf = _hf_model(model)
-        form = _mask_form(hf)
-        if form == "additive":
-            mask = (1.0 - mask[:, None, None, :].to(hf.dtype)) * torch.finfo(hf.dtype).min
-        elif form == "3d":
-            mask = mask[:, None, :]
-        inputs["attention_mask"] = mask
-    return inputs
-
-
-# Encoders tested to give the 2D mask's logits with the rewritten mask (tests/test_bert.py); others keep it
-MASK_REWRITTEN = ("bert", "roberta", "albert", "electra", "distilbert")
-
-
-def _mask_form(hf: Any) -> str | None:
-    """A known encoder whose module builds its masks with transformers 5's masking_utils takes an additive 4D
-    mask as it is ("an already prepared 4D mask"); BERT and RoBERTa in transformers 4 with SDPA make a
-    (batch, 1, seq) mask additive themselves (get_extended_attention_mask) where they would check a 2D one.
-    Eager attention in 4 never checks; a decoder's causal mask (GPT-2's too) comes only with a 2D mask."""
-    attention = hf.config._attn_implementation
-    if hf.config.model_type not in MASK_REWRITTEN or attention not in ("sdpa", "eager") or \
-            getattr(hf.config, "is_decoder", False):  # (not every config has is_decoder)
-        return None
-    if hasattr(sys.modules[type(hf.base_model).__module__], "create_bidirectional_mask"):  # transformers 5
-        return "additive"
-    if attention == "sdpa" and hf.config.model_type in ("bert", "roberta"):
-        return "3d"
-    return None
-
-
-def _hf_model(model: torch.nn.Module) -> Any:
-    """The transformers model inside DDP and torch.compile's wrappers."""
-    model = getattr(model, "module", model)
-    return getattr(model, "_orig_mod", model)
 
 
 def _mark_padding(batch: Any) -> Any:
@@ -206,11 +162,11 @@ class TextClassification:
         return self.collate(_longest(self.train_set, size))
 
     def loss_sum(self, model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        logits = model(**_inputs(model, batch)).logits
+        logits = model(**model_inputs(model, batch)).logits
         return F.cross_entropy(_fp32(logits), batch["labels"], reduction="sum")
 
     def eval_sums(self, model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        logits = _fp32(model(**_inputs(model, batch)).logits)
+        logits = _fp32(model(**model_inputs(model, batch)).logits)
         labels, predicted = batch["labels"], logits.argmax(-1)
         return {"loss_sum": F.cross_entropy(logits, labels, reduction="sum"), "count": self.count_items(batch),
                 "correct": (predicted == labels).sum(), "tp": ((predicted == 1) & (labels == 1)).sum(),
@@ -278,10 +234,10 @@ class MaskedLM:
         return torch.tensor(len(batch["masked_positions"]))  # the loss tokens: normalised by their global count
 
     def loss_sum(self, model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        return model(**_inputs(model, batch), labels=batch["labels"])[0]
+        return model(**model_inputs(model, batch), labels=batch["labels"])[0]
 
     def eval_sums(self, model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        loss_sum, logits = model(**_inputs(model, batch), labels=batch["labels"])
+        loss_sum, logits = model(**model_inputs(model, batch), labels=batch["labels"])
         targets = batch["labels"].flatten().index_select(0, batch["masked_positions"])
         return {"loss_sum": loss_sum, "count": self.count_items(batch),
                 "correct": (logits.argmax(-1) == targets).sum()}

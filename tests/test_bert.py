@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from conftest import read_metrics, run_cli
-from jobs.bert import MaskedLM, TextClassification, _inputs, _mask_form, classification_model, masked_lm_model
+from jobs.bert import MaskedLM, TextClassification, classification_model, masked_lm_model
 from test_distributed_math import probe
 
 pytestmark = pytest.mark.slow
@@ -78,49 +78,6 @@ def test_unpadded_batches_go_without_a_mask_and_mlm_gathers_by_position(tiny_ber
         torch.testing.assert_close(task.loss_sum(model, batch), with_mask, rtol=1e-12, atol=0)
         torch.testing.assert_close(task.loss_sum(model, batch), by_boolean_mask, rtol=1e-12, atol=0)
     assert int(task.count_items(padded)) == int((padded["labels"] != -100).sum())
-
-
-@pytest.mark.parametrize("attention", ["sdpa", "eager"])
-def test_the_mask_form_gives_the_2d_masks_logits_for_hf_encoders_and_leaves_decoders_alone(attention: str) -> None:
-    """jobs.bert passes a padded batch's mask in a form HF does not check on the device where it knows one
-    (transformers 5: additive 4D; 4 with SDPA: BERT/RoBERTa's batch x 1 x seq), else the 2D mask as it is:
-    the same logits for the encoders a user may name in model.pretrained, and a decoder keeps its causal
-    mask (CI's floor run has transformers 4.45.2)."""
-    import transformers as hf
-
-    small = {"vocab_size": 100, "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
-             "intermediate_size": 64}
-    models = {"bert": (hf.BertConfig(**small), hf.BertForSequenceClassification),
-              "bert-relative": (hf.BertConfig(**small, position_embedding_type="relative_key"), hf.BertForMaskedLM),
-              "bert-decoder": (hf.BertConfig(**small, is_decoder=True), hf.BertLMHeadModel),
-              "roberta": (hf.RobertaConfig(**small), hf.RobertaForSequenceClassification),
-              "albert": (hf.AlbertConfig(**small, embedding_size=16), hf.AlbertForSequenceClassification),
-              "electra": (hf.ElectraConfig(**small, embedding_size=16), hf.ElectraForSequenceClassification),
-              "distilbert": (hf.DistilBertConfig(vocab_size=100, dim=32, n_layers=2, n_heads=4, hidden_dim=64),
-                             hf.DistilBertForSequenceClassification),
-              "gpt2": (hf.GPT2Config(vocab_size=100, n_embd=32, n_layer=2, n_head=4, pad_token_id=0),
-                       hf.GPT2ForSequenceClassification)}  # causal: a prepared 4D mask would replace that
-    ids = torch.randint(5, 90, (3, 9), generator=torch.Generator().manual_seed(0))
-    mask = torch.ones(3, 9, dtype=torch.long)
-    mask[0, 6:] = mask[2, 3:] = 0
-    checked = []
-    for name, (config, cls) in models.items():
-        config._attn_implementation = attention
-        torch.manual_seed(1)
-        try:
-            model = cls(config).eval()
-        except ValueError:  # this transformers has no SDPA for it
-            continue
-        with torch.no_grad():
-            as_2d = model(input_ids=ids, attention_mask=mask).logits
-            ours = model(**_inputs(model, {"input_ids": ids, "attention_mask": mask, "padded": True})).logits
-        real = mask.bool() if as_2d.dim() == 3 else slice(None)  # per-token outputs: padding rows are noise
-        torch.testing.assert_close(ours[real], as_2d[real], rtol=0, atol=0, msg=name)
-        checked.append((name, _mask_form(model)))
-    forms = dict(checked)
-    assert forms["bert-decoder"] is None and forms["gpt2"] is None and {"bert", "roberta", "albert"} <= set(forms)
-    if attention == "sdpa":  # the models that would check a 2D mask on the device get another form
-        assert forms["bert"] and forms["roberta"], forms
 
 
 def test_model_dropout_sets_the_dropout_each_config_names(tmp_path: Path) -> None:
