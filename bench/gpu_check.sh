@@ -9,7 +9,7 @@
 #   bash bench/gpu_check.sh suite [PYTEST_ARG...]   # there: the rest of the suite with the GPU visible
 #   bash bench/gpu_check.sh bert                    # there: python -m launcher +exp=bert
 #   bash bench/gpu_check.sh bench [ARG...]          # there: python bench/compare.py ARG... --out $OUT/...
-#   bash bench/gpu_check.sh profile [ARG...]        # there: the raw loop eager/compiled, profiled (bench/raw_ddp.py)
+#   bash bench/gpu_check.sh profile [PRECISION]     # there: raw loop and launcher, eager/compiled, profiled
 # The machine (torch, transformers, tensorboard, rich, safetensors, pytest preinstalled; ../shared/GPU.md)
 # lacks hydra-core, omegaconf, antlr4, submitit and datasets; the 83 MB model package is over what a call carries,
 # so `prepare` writes a stand-in for it: all-MiniLM-L6-v2's tokenizer files with a 2-layer BERT of random
@@ -78,15 +78,31 @@ case "$part" in
           python -m launcher +exp=bert hydra.run.dir="$run_dir" 2>&1 | tee "$out/bert.log"
           cp "$run_dir/metrics.jsonl" "$out/bert-metrics.jsonl"; cp "$run_dir/summary.json" "$out/bert-summary.json" ;;
     bench) python bench/compare.py "$@" --out "$out/RESULTS-GPU.md" 2>&1 | tee "$out/bench.log" ;;
-    profile) # why compile pays or not: the raw loop on BERT-base eager, compiled as the launcher compiles
-             # (the module in DDP) and compiled around DDP; ARG... go to each run (e.g. --precision fp16)
+    profile) # why compile pays or not, and where the launcher's step differs from the raw loop's: BERT-base at
+             # micro-batch 128 in the precision given (default fp16), the raw loop eager, compiled as the launcher
+             # compiles (the module in DDP) and compiled around DDP, then the launcher eager and compiled; each
+             # profiles two steps after its timed ones, summarized by bench/trace_summary.py into profile-*.txt
+        precision=${1:-fp16}
+        base=(--layers=12 --hidden=768 --heads=12 --micro=128 --steps=20 --log-every=5 --precision="$precision")
         for variant in eager compiled compiled-outer; do
             flags=(); [ "$variant" = eager ] || flags+=(--compile); [ "$variant" = compiled-outer ] && flags+=(--compile-outer)
-            python -m torch.distributed.run --standalone --nproc-per-node=1 bench/raw_ddp.py --layers=12 --hidden=768 \
-                --heads=12 --micro=128 --steps=20 --log-every=5 "${flags[@]}" --profile "$out/profile-$variant.txt" "$@" \
-                | tail -n 1 | python -c 'import json, statistics, sys; r = json.load(sys.stdin); s = r["stamps"]
+            python -m torch.distributed.run --standalone --nproc-per-node=1 bench/raw_ddp.py "${base[@]}" "${flags[@]}" \
+                --profile "$out/profile-raw-$variant.table.txt" | tail -n 1 | python -c 'import json, statistics, sys
+r = json.load(sys.stdin); s = r["stamps"]
 print(sys.argv[1], round(r["samples_per_step"] * r["log_every"] / statistics.median(b - a for a, b in zip(s[1:], s[2:]))),
-      "samples/s, peak", round(r["peak_mem_mb"]), "MB")' "$variant" 2>&1 | tee -a "$out/profile.log"
+      "samples/s, peak", round(r["peak_mem_mb"]), "MB")' "raw $variant $precision" 2>&1 | tee -a "$out/profile.log"
+            python bench/trace_summary.py "$out/profile-raw-$variant.table.json" > "$out/profile-raw-$variant.txt"
+            rm "$out/profile-raw-$variant.table.json"  # tens of MB; the summary and the op table stay
+        done
+        for compiled in false true; do
+            run_dir=$(mktemp -d)/bench
+            python -m launcher +exp=bench model.layers=12 model.hidden=768 model.heads=12 data.seq_len=128 \
+                launcher.device=cuda launcher.nproc_per_node=1 train.micro_batch_size=128 train.global_batch_size=512 \
+                train.max_steps=20 train.log_every=5 "train.profile=[19,20]" train.compile=$compiled \
+                precision="$precision" hydra.run.dir="$run_dir" > "$out/profile-launcher-compile-$compiled.log" 2>&1
+            echo "launcher compile=$compiled $precision: $(grep -h '^done:' "$out/profile-launcher-compile-$compiled.log")" \
+                | tee -a "$out/profile.log"
+            python bench/trace_summary.py "$run_dir"/profile/rank0.*.json > "$out/profile-launcher-compile-$compiled.txt"
         done ;;
     *) echo "unknown part $part: prepare, setup, gpu, suite, bert, bench or profile" >&2; exit 2 ;;
 esac
