@@ -102,6 +102,7 @@ def test_a_gpu_read_in_the_forward_is_counted_once_per_read(tmp_path: Path) -> N
     assert out.returncode == 0, out.stderr[-4000:]
     assert json.loads((run_dir / "summary.json").read_text())["host_syncs"] == 28
     assert "warning: step 4 waits for the GPU: " in out.stderr and "jobs/toy.py:" in out.stderr
+    assert "is a prototype" not in out.stderr  # torch's note on its sync debug mode, once per rank before
 
 
 def test_torch_s_own_sync_check_is_ours_on_cuda() -> None:

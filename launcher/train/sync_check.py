@@ -174,11 +174,19 @@ class _HostCopyWatch(TorchFunctionMode):
 @contextmanager
 def _cuda_debug_mode(mode: str) -> Iterator[None]:
     before = torch.cuda.get_sync_debug_mode()
-    torch.cuda.set_sync_debug_mode(mode)
+    _set_cuda_debug_mode(mode)
     try:
         yield
     finally:
-        torch.cuda.set_sync_debug_mode(before)
+        _set_cuda_debug_mode(before)
+
+
+def _set_cuda_debug_mode(mode: str | int) -> None:
+    """Without torch's once-per-process note that the mode "is a prototype feature and does not yet detect
+    all synchronizing operations": each rank printed it; the README says what the check covers."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Synchronization debug mode is a prototype")
+        torch.cuda.set_sync_debug_mode(mode)
 
 
 @contextmanager
