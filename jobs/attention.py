@@ -58,15 +58,16 @@ def use_sdpa_unmasked(hf: Any) -> Any:
     that builds its masks with masking_utils (transformers 5); any other model as it is."""
     if mask_form(hf) != "additive" or hf.config._attn_implementation != "sdpa":
         return hf
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, bidirectional_mask_function, sdpa_mask
+    from transformers import AttentionInterface, AttentionMaskInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.masking_utils import bidirectional_mask_function, sdpa_mask
 
     def sdpa_mask_unless_none(*args: Any, attention_mask: torch.Tensor | None = None, **kwargs: Any) -> Any:
         if attention_mask is None and kwargs.get("mask_function") is bidirectional_mask_function:
             return None  # nothing padded and no pattern: SDPA without a mask, as eager would skip it to
         return sdpa_mask(*args, attention_mask=attention_mask, **kwargs)
 
-    AttentionInterface.register(SDPA_UNMASKED, AttentionInterface._global_mapping["sdpa"])
+    AttentionInterface.register(SDPA_UNMASKED, sdpa_attention_forward)
     AttentionMaskInterface.register(SDPA_UNMASKED, sdpa_mask_unless_none)
     hf.set_attn_implementation(SDPA_UNMASKED)
     return hf
