@@ -64,7 +64,7 @@ def use_sdpa_unmasked(hf: Any) -> Any:
 
     def sdpa_mask_unless_none(*args: Any, attention_mask: torch.Tensor | None = None, **kwargs: Any) -> Any:
         if attention_mask is None and kwargs.get("mask_function") is bidirectional_mask_function:
-            return None  # nothing padded and no pattern: SDPA without a mask, as eager would skip it to
+            return None  # nothing padded, no pattern: no mask (eager learns it only by reading the mask)
         return sdpa_mask(*args, attention_mask=attention_mask, **kwargs)
 
     AttentionInterface.register(SDPA_UNMASKED, sdpa_attention_forward)
