@@ -213,22 +213,26 @@ class MlflowTracker(Tracker):
             pending.wait()
 
     def finish(self, summary: dict[str, Any]) -> None:
-        self.settle()
-        now, step = int(time.time() * 1000), summary["steps"]
-        self.client.log_batch(self.run_id, metrics=[self._metric(f"summary/{k}", float(v), now, step)
-                                                    for k, v in summary_scalars(summary).items()])
-        if summary.get("checkpoint"):
-            self.client.set_tag(self.run_id, "launcher.checkpoint", summary["checkpoint"])
-        if self.settings.get("artifacts"):  # the config without its secrets (setup lines may export some)
-            self.client.log_dict(self.run_id, redacted("", self.config), "config.yaml")
-            self.client.log_artifact(self.run_id, str(self.run_dir / "summary.json"))
+        try:
+            self.settle()
+            now, step = int(time.time() * 1000), summary["steps"]
+            self.client.log_batch(self.run_id, metrics=[self._metric(f"summary/{k}", float(v), now, step)
+                                                        for k, v in summary_scalars(summary).items()])
             if summary.get("checkpoint"):
-                self.client.log_artifacts(self.run_id, summary["checkpoint"], "checkpoint")
-        self.client.set_terminated(self.run_id, "FINISHED")
+                self.client.set_tag(self.run_id, "launcher.checkpoint", summary["checkpoint"])
+            if self.settings.get("artifacts"):  # the config without its secrets (setup lines may export some)
+                self.client.log_dict(self.run_id, redacted("", self.config), "config.yaml")
+                self.client.log_artifact(self.run_id, str(self.run_dir / "summary.json"))
+                if summary.get("checkpoint"):
+                    self.client.log_artifacts(self.run_id, summary["checkpoint"], "checkpoint")
+        finally:  # the training is done even where a write above failed (Trackers warns with its error)
+            self.client.set_terminated(self.run_id, "FINISHED")
 
     def preempted(self, step: int) -> None:
-        self.settle()
-        self.client.set_terminated(self.run_id, "KILLED")  # RUNNING again when the requeued job starts
+        try:
+            self.settle()
+        finally:
+            self.client.set_terminated(self.run_id, "KILLED")  # RUNNING again when the requeued job starts
 
     def close(self) -> None:
         self.settle()  # (after a crash RunLog does not close: MLflow's exit handler writes the last point)
