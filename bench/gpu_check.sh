@@ -81,7 +81,9 @@ case "$part" in
     profile) # why compile pays or not, and where the launcher's step differs from the raw loop's: BERT-base at
              # micro-batch 128 in the precision given (default fp16), the raw loop eager, compiled as the launcher
              # compiles (the module in DDP) and compiled around DDP, then the launcher eager and compiled; each
-             # profiles two steps after its timed ones, summarized by bench/trace_summary.py into profile-*.txt
+             # profiles two steps after its 20 timed ones (both recording shapes), summarized by
+             # bench/trace_summary.py into profile-*.txt
+        [ $# -le 1 ] || { echo "profile takes one argument, the precision (fp32, bf16 or fp16)" >&2; exit 2; }
         precision=${1:-fp16}
         base=(--layers=12 --hidden=768 --heads=12 --micro=128 --steps=20 --log-every=5 --precision="$precision")
         for variant in eager compiled compiled-outer; do
@@ -95,14 +97,20 @@ print(sys.argv[1], round(r["samples_per_step"] * r["log_every"] / statistics.med
             rm "$out/profile-raw-$variant.table.json"  # tens of MB; the summary and the op table stay
         done
         for compiled in false true; do
-            run_dir=$(mktemp -d)/bench
+            run_dir=$(mktemp -d)
             python -m launcher +exp=bench model.layers=12 model.hidden=768 model.heads=12 data.seq_len=128 \
                 launcher.device=cuda launcher.nproc_per_node=1 train.micro_batch_size=128 train.global_batch_size=512 \
-                train.max_steps=20 train.log_every=5 "train.profile=[19,20]" train.compile=$compiled \
+                train.max_steps=22 train.log_every=5 "train.profile=[21,22]" train.compile=$compiled \
                 precision="$precision" hydra.run.dir="$run_dir" > "$out/profile-launcher-compile-$compiled.log" 2>&1
-            echo "launcher compile=$compiled $precision: $(grep -h '^done:' "$out/profile-launcher-compile-$compiled.log")" \
-                | tee -a "$out/profile.log"
+            python - "$run_dir/metrics.jsonl" "launcher compile=$compiled $precision" <<'PY' | tee -a "$out/profile.log"
+import json, statistics, sys
+logs = [json.loads(line) for line in open(sys.argv[1])]  # as the raw loop's: the logs of steps 10-20
+rates = [r["samples_per_sec"] for r in logs if "samples_per_sec" in r and 5 < r["step"] <= 20]
+peak = max(r.get("peak_mem_mb", 0) for r in logs)
+print(sys.argv[2], round(statistics.median(rates)), "samples/s, peak", round(peak), "MB")
+PY
             python bench/trace_summary.py "$run_dir"/profile/rank0.*.json > "$out/profile-launcher-compile-$compiled.txt"
+            rm -rf "$run_dir"
         done ;;
     *) echo "unknown part $part: prepare, setup, gpu, suite, bert, bench or profile" >&2; exit 2 ;;
 esac

@@ -131,7 +131,7 @@ def profile(train_step, out: Path, cuda: bool) -> None:
 
     activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]
     started = time.time()
-    with profiler(activities=activities) as prof:
+    with profiler(activities=activities, record_shapes=True) as prof:  # as the launcher's train.profile
         for step in range(2):
             with torch.profiler.record_function(f"step {step + 1}"):  # as the launcher marks its steps
                 loss = train_step()

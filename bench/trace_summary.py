@@ -31,7 +31,7 @@ def summary(trace: Path, top: int = 25) -> str:
         by_name[e["name"]][1] += 1
     lines = [f"{trace.name}: {n} steps, {wall:.1f} ms per step on the host (step start to end, as recorded)"]
     if device:
-        busy = sum(e["dur"] for e in device) / n / 1e3
+        busy = covered(device) / n / 1e3
         span = (max(e["ts"] + e["dur"] for e in device) - min(e["ts"] for e in device)) / n / 1e3
         lines.append(f"GPU: busy {busy:.1f} ms per step in {len(device) / n:.0f} kernels and copies; from the first "
                      f"to the last kernel {span:.1f} ms per step ({100 * busy / span:.0f}% busy)")
@@ -39,6 +39,16 @@ def summary(trace: Path, top: int = 25) -> str:
     for name, (total, calls) in sorted(by_name.items(), key=lambda item: -item[1][0])[:top]:
         lines.append(f"{total / n / 1e3:9.2f} {calls / n:10.1f}  {name[:110]}")
     return "\n".join(lines)
+
+
+def covered(events: list[dict]) -> float:
+    """Microseconds in which at least one of `events` ran: kernels of several streams at once (NCCL beside
+    the backward) count once."""
+    total, end = 0.0, float("-inf")
+    for start, stop in sorted((e["ts"], e["ts"] + e["dur"]) for e in events):
+        total += max(0.0, stop - max(start, end))
+        end = max(end, stop)
+    return total
 
 
 def main() -> None:

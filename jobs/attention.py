@@ -62,10 +62,13 @@ def use_sdpa_unmasked(hf: Any) -> Any:
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
     from transformers.masking_utils import bidirectional_mask_function, sdpa_mask
 
-    def sdpa_mask_unless_none(*args: Any, attention_mask: torch.Tensor | None = None, **kwargs: Any) -> Any:
-        if attention_mask is None and kwargs.get("mask_function") is bidirectional_mask_function:
-            return None  # nothing padded, no pattern: no mask (eager learns it only by reading the mask)
-        return sdpa_mask(*args, attention_mask=attention_mask, **kwargs)
+    def sdpa_mask_unless_none(*args: Any, **kwargs: Any) -> Any:
+        # Only where sdpa_mask itself may drop the mask (called with allow_is_bidirectional_skip), given no
+        # padding mask by its name and no pattern: eager, sdpa_mask learns the same by reading the mask
+        if "attention_mask" in kwargs and kwargs["attention_mask"] is None and \
+                kwargs.get("allow_is_bidirectional_skip") and kwargs.get("mask_function") is bidirectional_mask_function:
+            return None
+        return sdpa_mask(*args, **kwargs)
 
     AttentionInterface.register(SDPA_UNMASKED, sdpa_attention_forward)
     AttentionMaskInterface.register(SDPA_UNMASKED, sdpa_mask_unless_none)

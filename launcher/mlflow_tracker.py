@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -225,14 +225,24 @@ class MlflowTracker(Tracker):
                 self.client.log_artifact(self.run_id, str(self.run_dir / "summary.json"))
                 if summary.get("checkpoint"):
                     self.client.log_artifacts(self.run_id, summary["checkpoint"], "checkpoint")
-        finally:  # the training is done even where a write above failed (Trackers warns with its error)
-            self.client.set_terminated(self.run_id, "FINISHED")
+        except Exception:  # the training is done all the same: the run says so; Trackers warns with this error
+            self._end_anyway("FINISHED")
+            raise
+        self.client.set_terminated(self.run_id, "FINISHED")
 
     def preempted(self, step: int) -> None:
         try:
             self.settle()
-        finally:
-            self.client.set_terminated(self.run_id, "KILLED")  # RUNNING again when the requeued job starts
+        except Exception:
+            self._end_anyway("KILLED")
+            raise
+        self.client.set_terminated(self.run_id, "KILLED")  # RUNNING again when the requeued job starts
+
+    def _end_anyway(self, status: str) -> None:
+        """The run's status after a failed write, not RUNNING forever; where the store is gone as well, the
+        first error is the one the warning names."""
+        with suppress(Exception):
+            self.client.set_terminated(self.run_id, status)
 
     def close(self) -> None:
         self.settle()  # (after a crash RunLog does not close: MLflow's exit handler writes the last point)

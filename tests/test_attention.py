@@ -97,4 +97,5 @@ def test_a_traced_encoder_builds_no_mask_for_an_unpadded_batch(job: str, tiny_be
     exported = torch.export.export(model, (), inputs).graph
     assert len(graphs) == 1 and sdpa_masks(graphs[0]) == [[], []] and sdpa_masks(exported) == [[], []]
     model.set_attn_implementation("sdpa")
-    assert all(sdpa_masks(torch.export.export(model, (), inputs).graph))  # the control: SDPA's own masks
+    masks = sdpa_masks(torch.export.export(model, (), inputs).graph)
+    assert len(masks) == 2 and all(masks), masks  # the control: the plain SDPA model gets a mask built

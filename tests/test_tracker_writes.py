@@ -1,6 +1,7 @@
 """A log step does not wait for MLflow's store: rank 0 hands the write to MLflow's logging thread, and
-the write's failure shows one log later, as one warning that turns the tracker off. Real MLflow on its
-embedded SQLite store, held locked by a second connection the way a busy store or a slow server holds it."""
+the write's failure shows one log later, as one warning that turns the tracker off; a failed last write
+still ends the run. Real MLflow on its embedded SQLite store, held locked by a second connection the way a
+busy store or a slow server holds it, or with a file where its artifact dir would be."""
 from __future__ import annotations
 
 import sqlite3
@@ -9,9 +10,10 @@ from pathlib import Path
 import pytest
 from mlflow import MlflowClient
 
+from conftest import run_cli
 from launcher.mlflow_tracker import MlflowTracker
 from launcher.tracker import Resume, Trackers
-from test_tracking import empty_store, with_store  # noqa: F401 (empty_store: a fixture)
+from test_tracking import ONE, TOY, empty_store, with_store  # noqa: F401 (empty_store: a fixture)
 
 pytestmark = pytest.mark.slow
 
@@ -61,3 +63,18 @@ def test_a_failed_write_turns_mlflow_off_at_the_next_log_with_one_warning(tmp_pa
     assert len(warnings) == 1
     # ... and only that warning: MLflow's own error line would show the request's URL, credentials and all
     assert "Failed to log run data" not in capfd.readouterr().err
+
+
+def test_a_failed_last_write_still_ends_the_mlflow_run(tmp_path: Path, empty_store: Path) -> None:
+    """Uploading the artifacts at the end fails (a file stands where the store's artifact dir would be): the
+    run warns once, exits 0, and its MLflow run says FINISHED, not RUNNING forever; the metrics are there."""
+    client = with_store(tmp_path, empty_store)
+    (tmp_path / "runs" / "mlartifacts").write_text("not a directory")
+    run_dir = tmp_path / "run"
+    out = run_cli(*TOY, ONE, "logger=[mlflow]", "logger.mlflow.artifacts=true", f"hydra.run.dir={run_dir}",
+                  cwd=tmp_path, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stderr.count("warning: mlflow failed (NotADirectoryError") == 1, out.stderr[-3000:]  # what failed
+    (run,) = client.search_runs([e.experiment_id for e in client.search_experiments() if e.name == "toy"])
+    assert run.info.status == "FINISHED"
+    assert {m.step for m in client.get_metric_history(run.info.run_id, "loss")} == {5, 10, 15, 20}
