@@ -18,7 +18,8 @@
 # there: `-n 8` runs the tests on 8 of the 16 cores.
 # Planning a lease (H100, 2026-11-23): `gpu -n 6` took 200 s beside `suite -n 8`; the rest of the suite
 # does not fit one call beside it; `bench --compile off --rounds 2` (3 precisions) 424 s; compiled rounds
-# about 70 s per run, so 2 rounds of 2 precisions per call. A machine goes back 30 s after a call returns:
+# about 70 s per run, so 2 rounds of 2 precisions per call; `profile` is 5 runs (3 raw, 2 launcher; not
+# yet timed there: about 4-5 minutes by the runs above). A machine goes back 30 s after a call returns:
 # send the next call at once. Never `pkill -f <word>` in a call: the call's own shell matches its words.
 set -euo pipefail
 cd "$(dirname "$0")/.."
