@@ -37,15 +37,20 @@ def per_step(stamps: list[float], log_every: int = LOG_EVERY) -> float:
     return statistics.median((b - a) / log_every for a, b in zip(stamps[1:], stamps[2:]))
 
 
+def launcher_stamps(run_dir: Path) -> tuple[dict, list[float]]:
+    """A launcher run's summary.json and the unix time of each of its logged training steps."""
+    summary = json.loads((run_dir / "summary.json").read_text())
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return summary, [summary["started_unix_time"] + r["time"] for r in records if "loss" in r]
+
+
 def run_launcher(precision: str, work: Path, log_every: int = LOG_EVERY, steps: int = STEPS,
                  extra: tuple[str, ...] = ()) -> dict:
     run_dir = work / f"launcher-{precision}-{time.time_ns()}"
     started = time.time()
     checked([sys.executable, "-m", "launcher", "+exp=bench", f"precision={precision}", f"train.max_steps={steps}",
              f"train.log_every={log_every}", *extra, f"hydra.run.dir={run_dir}"])
-    summary = json.loads((run_dir / "summary.json").read_text())
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    stamps = [summary["started_unix_time"] + r["time"] for r in records if "loss" in r]
+    summary, stamps = launcher_stamps(run_dir)
     return {"step_s": per_step(stamps, log_every) if len(stamps) > 2 else None,
             "first_step_s": summary["first_step_unix_time"] - started, "peak_mem_mb": summary["peak_mem_mb"],
             "stamps": stamps, "first_step_unix_time": summary["first_step_unix_time"],

@@ -103,12 +103,13 @@ print(sys.argv[1], round(r["samples_per_step"] * r["log_every"] / statistics.med
                 launcher.device=cuda launcher.nproc_per_node=1 train.micro_batch_size=128 train.global_batch_size=512 \
                 train.max_steps=22 train.log_every=5 "train.profile=[21,22]" train.compile=$compiled \
                 precision="$precision" hydra.run.dir="$run_dir" > "$out/profile-launcher-compile-$compiled.log" 2>&1
-            python - "$run_dir/metrics.jsonl" "launcher compile=$compiled $precision" <<'PY' | tee -a "$out/profile.log"
-import json, statistics, sys
-logs = [json.loads(line) for line in open(sys.argv[1])]  # as the raw loop's: the logs of steps 10-20
-rates = [r["samples_per_sec"] for r in logs if "samples_per_sec" in r and 5 < r["step"] <= 20]
-peak = max(r.get("peak_mem_mb", 0) for r in logs)
-print(sys.argv[2], round(statistics.median(rates)), "samples/s, peak", round(peak), "MB")
+            python - "$run_dir" "launcher compile=$compiled $precision" <<'PY' | tee -a "$out/profile.log"
+import sys
+from pathlib import Path
+sys.path.insert(0, "bench")
+from compare import launcher_stamps, per_step
+summary, stamps = launcher_stamps(Path(sys.argv[1]))  # as the raw loop's: the logs of steps 5-20, not 22's
+print(sys.argv[2], round(512 / per_step(stamps[:4], 5)), "samples/s, peak", round(summary["peak_mem_mb"]), "MB")
 PY
             python bench/trace_summary.py "$run_dir"/profile/rank0.*.json > "$out/profile-launcher-compile-$compiled.txt"
             rm -rf "$run_dir"

@@ -6,8 +6,8 @@ Run: torchrun --standalone --nproc-per-node 2 bench/raw_ddp.py [--precision bf16
 For finding out why compile pays or not on a GPU: --compile-outer compiles DDP itself (torch.compile(DDP(m)),
 dynamo's DDPOptimizer splits the graph at the buckets) instead of the module DDP wraps, as the launcher does;
 --profile FILE runs two more steps after the timed ones under torch.profiler and writes their op table (the
-most device time first) and the time per step on host and device, and their trace (FILE with suffix .json,
-steps marked as the launcher's train.profile marks them: bench/trace_summary.py reads both).
+most device time first) and their trace (FILE with suffix .json, steps marked as the launcher's train.profile
+marks them: bench/trace_summary.py gives the time per step on host and GPU, for both).
 """
 from __future__ import annotations
 
@@ -124,27 +124,20 @@ def main() -> None:
 
 
 def profile(train_step, out: Path, cuda: bool) -> None:
-    """Two steps under torch.profiler: their ops, the most device time (host time on the CPU) first, and
-    each step's host and device time, into `out`; their Chrome trace into `out` with the suffix .json."""
+    """Two steps under torch.profiler: their ops, the most device time (host time on the CPU) first, into
+    `out`; their Chrome trace into `out` with the suffix .json."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as profiler
 
     activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]
-    started = time.time()
     with profiler(activities=activities, record_shapes=True) as prof:  # as the launcher's train.profile
         for step in range(2):
             with torch.profiler.record_function(f"step {step + 1}"):  # as the launcher marks its steps
                 loss = train_step()
             loss.item()
-    wall = (time.time() - started) / 2
-    prof.export_chrome_trace(str(out.with_suffix(".json")))  # for bench/trace_summary.py
-    events = prof.key_averages()
-    kernels = [e for e in events if e.device_type.name == "CUDA"]  # host ops count their kernels' time too
+    prof.export_chrome_trace(str(out.with_suffix(".json")))  # per step times: bench/trace_summary.py
     sort_by = "self_device_time_total" if cuda else "self_cpu_time_total"
-    out.write_text(f"per step: wall {wall * 1e3:.1f} ms (profiled), device busy "
-                   f"{sum(e.self_device_time_total for e in kernels) / 2e3:.1f} ms in "
-                   f"{sum(e.count for e in kernels) // 2} kernels\n\n"
-                   + events.table(sort_by=sort_by, row_limit=40, max_name_column_width=60) + "\n")
+    out.write_text(prof.key_averages().table(sort_by=sort_by, row_limit=40, max_name_column_width=60) + "\n")
 
 
 if __name__ == "__main__":
