@@ -18,8 +18,8 @@
 # there: `-n 8` runs the tests on 8 of the 16 cores.
 # Planning a lease (H100, 2026-11-23): `gpu -n 6` took 200 s beside `suite -n 8`; the rest of the suite
 # does not fit one call beside it; `bench --compile off --rounds 2` (3 precisions) 424 s; compiled rounds
-# about 70 s per run, so 2 rounds of 2 precisions per call; `profile` is 5 runs (3 raw, 2 launcher; not
-# yet timed there: about 4-5 minutes by the runs above). A machine goes back 30 s after a call returns:
+# about 70 s per run, so 2 rounds of 2 precisions per call; `profile` is 6 runs (4 raw, 2 launcher; not
+# yet timed there: about 5-6 minutes by the runs above). A machine goes back 30 s after a call returns:
 # send the next call at once. Never `pkill -f <word>` in a call: the call's own shell matches its words.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -81,14 +81,16 @@ case "$part" in
     bench) python bench/compare.py "$@" --out "$out/RESULTS-GPU.md" 2>&1 | tee "$out/bench.log" ;;
     profile) # why compile pays or not, and where the launcher's step differs from the raw loop's: BERT-base at
              # micro-batch 128 in the precision given (default fp16), the raw loop eager, compiled as the launcher
-             # compiles (the module in DDP) and compiled around DDP, then the launcher eager and compiled; each
+             # compiles (the module in DDP), compiled around DDP and compiled as one graph (no split at DDP's
+             # buckets), then the launcher eager and compiled; each
              # profiles two steps after its 20 timed ones (both recording shapes), summarized by
              # bench/trace_summary.py into profile-*.txt
         [ $# -le 1 ] || { echo "profile takes one argument, the precision (fp32, bf16 or fp16)" >&2; exit 2; }
         precision=${1:-fp16}
         base=(--layers=12 --hidden=768 --heads=12 --micro=128 --steps=20 --log-every=5 --precision="$precision")
-        for variant in eager compiled compiled-outer; do
+        for variant in eager compiled compiled-outer compiled-unsplit; do
             flags=(); [ "$variant" = eager ] || flags+=(--compile); [ "$variant" = compiled-outer ] && flags+=(--compile-outer)
+            [ "$variant" = compiled-unsplit ] && flags+=(--no-ddp-split)
             python -m torch.distributed.run --standalone --nproc-per-node=1 bench/raw_ddp.py "${base[@]}" "${flags[@]}" \
                 --profile "$out/profile-raw-$variant.table.txt" | tail -n 1 | python -c 'import json, statistics, sys
 r = json.load(sys.stdin); s = r["stamps"]

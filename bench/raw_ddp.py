@@ -4,7 +4,9 @@ autocast for bf16/fp16 (GradScaler for fp16), clipping, fused AdamW (as the laun
 NCCL, one GPU per rank, TF32, pinned batches copied with non_blocking, optionally torch.compile; gloo on the CPU.
 Run: torchrun --standalone --nproc-per-node 2 bench/raw_ddp.py [--precision bf16] [--compile [--compile-mode M]]
 For finding out why compile pays or not on a GPU: --compile-outer compiles DDP itself (torch.compile(DDP(m)),
-dynamo's DDPOptimizer splits the graph at the buckets) instead of the module DDP wraps, as the launcher does;
+instead of the module DDP wraps, as the launcher does; either way dynamo's DDPOptimizer splits the graph
+at DDP's buckets (BERT-base: 14 graphs) so that the all-reduce overlaps the backward, and --no-ddp-split
+compiles one graph (torch._dynamo.config.optimize_ddp=False: one rank has no all-reduce to overlap);
 --profile FILE runs two more steps after the timed ones under torch.profiler and writes their op table (the
 most device time first) and their trace (FILE with suffix .json, steps marked as the launcher's train.profile
 marks them: bench/trace_summary.py gives the time per step on host and GPU, for both).
@@ -46,6 +48,7 @@ def main() -> None:
     parser.add_argument("--compile", action="store_true")
     parser.add_argument("--compile-mode", default=None, help="torch.compile's mode (with --compile)")
     parser.add_argument("--compile-outer", action="store_true", help="torch.compile(DDP(module)), with --compile")
+    parser.add_argument("--no-ddp-split", action="store_true", help="one graph, not one per DDP bucket")
     parser.add_argument("--profile", type=Path, default=None, help="op table of two profiled steps after the timed ones")
     parser.add_argument("--count-syncs", action="store_true")
     args = parser.parse_args()
@@ -59,6 +62,7 @@ def main() -> None:
     torch.manual_seed(0)
     module = bert_from_config(args.layers, args.hidden, args.heads, max_length=args.seq_len).to(device)
     device_ids = [device.index] if cuda else None
+    torch._dynamo.config.optimize_ddp = not args.no_ddp_split
     if args.compile and args.compile_outer:
         model = torch.compile(DDP(module, device_ids=device_ids), mode=args.compile_mode)
     else:
