@@ -33,7 +33,8 @@ if [ "$part" = prepare ]; then
     grep -qx '.gpu/' .git/info/exclude 2>/dev/null || echo '.gpu/' >> .git/info/exclude
     python -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
         --platform manylinux_2_17_x86_64 -d .gpu/wheels hydra-core==1.3.2 omegaconf==2.3.0 submitit cloudpickle \
-        datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19  # data=files reads CSV/JSON lines with datasets
+        datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 pytest-xdist==3.8.0 execnet  # data=files reads CSV/JSON
+    # lines with datasets; pyproject.toml's pytest options are pytest-xdist 3.8's
     python -m pip wheel -q --no-deps -w .gpu/wheels antlr4-python3-runtime==4.9.3  # only an sdist on PyPI
     python - <<'EOF'
 from pathlib import Path
@@ -68,7 +69,8 @@ python -c 'import torch, transformers; print("torch", torch.__version__, "cuda",
 no_mlflow=(--ignore=tests/test_tracking.py --ignore=tests/test_tracker_writes.py)  # they import MLflow
 case "$part" in
     setup) ;;  # the installs above only: parts run side by side after it
-    gpu) python -m pytest -m gpu -p no:cacheprovider "${no_mlflow[@]}" "$@" 2>&1 | tee "$out/pytest-gpu.log" ;;
+    gpu) # test_gpu.py is one file: its tests go to the workers one by one, not as pyproject's whole files
+         python -m pytest -m gpu -p no:cacheprovider --dist load "${no_mlflow[@]}" "$@" 2>&1 | tee "$out/pytest-gpu.log" ;;
     suite) # +exp=bert's and +exp=bert_mlm's own learning needs the real MiniLM weights, not the stand-in's
            # random ones; README's MLflow and W&B commands need those packages
            python -m pytest -m 'not gpu' -p no:cacheprovider "${no_mlflow[@]}" --ignore=tests/test_slurm.py \

@@ -70,6 +70,18 @@ def read_metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+# The files that take longest (CI's 2 cores, one worker: 100-165 s each) run first: README's test command
+# hands whole files to 2 workers (-n 2; --dist loadfile in pyproject.toml, so a module's fixtures, the Slurm cluster and the
+# reference runs, are made once), and a long file taken last would leave the other worker idle at the end.
+SLOWEST_FILES_FIRST = ("test_slurm.py", "test_bert.py", "test_resume.py", "test_many_nodes.py", "test_tracking.py",
+                       "test_micro_batch.py", "test_hang.py")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    rank = {name: i for i, name in enumerate(SLOWEST_FILES_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: each file keeps its order
+
+
 @pytest.fixture(scope="session")
 def tiny_bert(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A 2-layer, 32-wide BERT with the bert-base-uncased vocab, written by save_pretrained.
