@@ -3,7 +3,7 @@ against. Same model and data as `+exp=bench` (jobs/bench.py); micro-batches 1..K
 autocast for bf16/fp16 (GradScaler for fp16), clipping, fused AdamW (as the launcher's default). On CUDA:
 NCCL, one GPU per rank, TF32, pinned batches copied with non_blocking, optionally torch.compile; gloo on the CPU.
 Run: torchrun --standalone --nproc-per-node 2 bench/raw_ddp.py [--precision bf16] [--compile [--compile-mode M]]
-For finding out why compile pays or not on a GPU: --compile-outer compiles DDP itself (torch.compile(DDP(m)),
+For finding out why compile pays or not on a GPU: --compile-outer compiles DDP itself (torch.compile(DDP(m)))
 instead of the module DDP wraps, as the launcher does; either way dynamo's DDPOptimizer splits the graph
 at DDP's buckets (BERT-base: 14 graphs) so that the all-reduce overlaps the backward, and --no-ddp-split
 compiles one graph (torch._dynamo.config.optimize_ddp=False: one rank has no all-reduce to overlap);

@@ -71,8 +71,9 @@ def read_metrics(run_dir: Path) -> list[dict]:
 
 
 # The files that take longest (CI's 2 cores, one worker: 100-165 s each) run first: README's test command
-# hands whole files to 2 workers (-n 2; --dist loadfile in pyproject.toml, so a module's fixtures, the Slurm cluster and the
-# reference runs, are made once), and a long file taken last would leave the other worker idle at the end.
+# hands whole files to 2 workers (-n 2; --dist loadfile in pyproject.toml, so a module's fixtures, the Slurm
+# cluster and the reference runs, are made once), and a long file taken last would leave the other worker
+# idle at the end.
 SLOWEST_FILES_FIRST = ("test_slurm.py", "test_bert.py", "test_resume.py", "test_many_nodes.py", "test_tracking.py",
                        "test_micro_batch.py", "test_hang.py")
 
