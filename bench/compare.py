@@ -54,7 +54,8 @@ def run_launcher(precision: str, work: Path, log_every: int = LOG_EVERY, steps: 
     return {"step_s": per_step(stamps, log_every) if len(stamps) > 2 else None,
             "first_step_s": summary["first_step_unix_time"] - started, "peak_mem_mb": summary["peak_mem_mb"],
             "stamps": stamps, "first_step_unix_time": summary["first_step_unix_time"],
-            "compiled": (summary.get("compiled_graphs"), summary.get("graph_breaks"))}  # with train.compile
+            "compiled": (summary.get("compiled_graphs"), summary.get("compiled_pieces"),  # with train.compile
+                         summary.get("graph_breaks"))}
 
 
 def logging_cost(work: Path, rounds: int) -> list[float]:
@@ -157,7 +158,7 @@ def main() -> None:
                      f"{r['raw_rss_mb']:.0f} |")
     for r in rows:
         if r["mode"] == "compiled":
-            lines.append(f"\n{r['precision']} compiled: the launcher's ranks compiled (graphs, graph breaks) "
+            lines.append(f"\n{r['precision']} compiled: the launcher's ranks compiled (graphs, pieces, graph breaks) "
                          f"{', '.join(map(str, sorted(r['compiled'])))} in its runs (summary.json).")
     lines.append(f"\nGradient all-reduces per optimizer step (comm-hook count, steps 2-{SYNC_STEPS}; one per DDP "
                  f"bucket): launcher {syncs['hook_calls_per_step']:g} in {syncs['sync_rounds_per_step']:g} sync "

@@ -7,7 +7,9 @@ warm-up), the ratio within the round, MFU (6 x non-embedding parameters x tokens
 bf16/fp16 peak, half that for fp32), peak memory (max_memory_allocated, rank 0) and seconds to the end
 of the first step.
 Run: python bench/compare.py [--rounds 2] [--micro 128] [--precisions fp32,bf16,fp16] [--compile off,on]
-     [--compile-mode reduce-overhead --accum 1]
+     [--compile-mode reduce-overhead --accum 1] [--no-ddp-split]
+--no-ddp-split compiles both sides as one graph (train.compile_ddp_split=false; raw_ddp.py --no-ddp-split)
+instead of dynamo's pieces at DDP's gradient buckets.
 """
 from __future__ import annotations
 
@@ -54,12 +56,14 @@ def one_round(precision: str, compiled: bool, args: argparse.Namespace, gpus: in
         f"data.n_samples={max(4096, 2 * global_batch)}", "launcher.device=cuda", f"launcher.nproc_per_node={gpus}",
         f"train.micro_batch_size={args.micro}", f"train.global_batch_size={global_batch}",
         f"train.compile={str(compiled).lower()}", *([f"train.compile_mode={args.compile_mode}"] if compiled and
-                                                     args.compile_mode else []))
+                                                     args.compile_mode else []),
+        *(["train.compile_ddp_split=false"] if compiled and args.no_ddp_split else []))
     raw_args = (
         f"--layers={BERT_BASE['layers']}", f"--hidden={BERT_BASE['hidden']}", f"--heads={BERT_BASE['heads']}",
         f"--seq-len={BERT_BASE['seq_len']}", f"--micro={args.micro}", f"--accum={args.accum}",
         *(["--compile"] if compiled else []), *([f"--compile-mode={args.compile_mode}"] if compiled and
-                                                 args.compile_mode else []))
+                                                 args.compile_mode else []),
+        *(["--no-ddp-split"] if compiled and args.no_ddp_split else []))
     launch = partial(run_launcher, precision, work, args.log_every, args.steps, launcher_args)
     raw_loop = partial(run_raw, precision, args.log_every, args.steps, raw_args, nproc=gpus)
     if raw_first:
@@ -80,9 +84,10 @@ def write_table(rows: list[dict], args: argparse.Namespace, gpus: int) -> list[s
              f"seq 128, random tokens), micro-batch {args.micro}, accumulation {args.accum}, fused AdamW, clipping 1.0; "
              f"{args.rounds} interleaved rounds (launcher first, then raw first, ...) of {args.steps} steps, timed after "
              f"step {args.log_every}"
-             f"{f'; compiled with mode {args.compile_mode}' if args.compile_mode else ''}.\n",
+             f"{f'; compiled with mode {args.compile_mode}' if args.compile_mode else ''}"
+             f"{'; compiled as one graph (no split at DDP buckets)' if args.no_ddp_split else ''}.\n",
              "| precision | mode | launcher samples/s | raw samples/s | ratio (median; per round) | MFU launcher / raw "
-             "| peak memory launcher / raw (GB) | first step launcher / raw (s) | launcher graphs, breaks |",
+             "| peak memory launcher / raw (GB) | first step launcher / raw (s) | launcher graphs, pieces, breaks |",
              "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         mfus = [mfu(r[f"{who}_samples_per_s"], r["precision"], gpus) for who in ("launcher", "raw")]
@@ -93,7 +98,7 @@ def write_table(rows: list[dict], args: argparse.Namespace, gpus: int) -> list[s
             f"{' / '.join('n/a' if m is None else f'{m:.3f}' for m in mfus)} | "
             f"{r['launcher_peak_mem_mb'] / 1024:.1f} / {r['raw_peak_mem_mb'] / 1024:.1f} | "
             f"{r['launcher_first_step_s']:.1f} / {r['raw_first_step_s']:.1f} | "
-            f"{'; '.join(f'{g}, {b}' for g, b in sorted(r['graphs'])) if r['compiled'] else '-'} |")
+            f"{'; '.join(', '.join(map(str, g)) for g in sorted(r['graphs'])) if r['compiled'] else '-'} |")
     args.out.write_text("\n".join(lines) + "\n")
     return lines
 
@@ -109,6 +114,7 @@ def main() -> None:
     parser.add_argument("--compile", default="off,on")
     parser.add_argument("--compile-mode", default=None,
                         help="train.compile_mode for compiled rows; CUDA-graph modes need --accum 1")
+    parser.add_argument("--no-ddp-split", action="store_true", help="compiled rows as one graph on both sides")
     parser.add_argument("--out", type=Path, default=REPO / "bench" / "RESULTS-GPU.md")
     args = parser.parse_args()
     gpus = torch.cuda.device_count()

@@ -9,7 +9,7 @@
 #   bash bench/gpu_check.sh suite [PYTEST_ARG...]   # there: the rest of the suite with the GPU visible
 #   bash bench/gpu_check.sh bert                    # there: python -m launcher +exp=bert
 #   bash bench/gpu_check.sh bench [ARG...]          # there: python bench/compare.py ARG... --out $OUT/...
-#   bash bench/gpu_check.sh profile [PRECISION]     # there: raw loop and launcher, eager/compiled, profiled
+#   bash bench/gpu_check.sh profile [PRECISION [VARIANT,...]]  # there: raw loop and launcher, eager/compiled, profiled
 # The machine (torch, transformers, tensorboard, rich, safetensors, pytest preinstalled; ../shared/GPU.md)
 # lacks hydra-core, omegaconf, antlr4, submitit and datasets; the 83 MB model package is over what a call carries,
 # so `prepare` writes a stand-in for it: all-MiniLM-L6-v2's tokenizer files with a 2-layer BERT of random
@@ -18,8 +18,8 @@
 # there: `-n 8` runs the tests on 8 of the 16 cores.
 # Planning a lease (H100, 2026-11-23): `gpu -n 6` took 200 s beside `suite -n 8`; the rest of the suite
 # does not fit one call beside it; `bench --compile off --rounds 2` (3 precisions) 424 s; compiled rounds
-# about 70 s per run, so 2 rounds of 2 precisions per call; `profile` is 6 runs (4 raw, 2 launcher; not
-# yet timed there: about 5-6 minutes by the runs above). A machine goes back 30 s after a call returns:
+# about 70 s per run, so 2 rounds of 2 precisions per call; `profile` is 7 runs (4 raw, 3 launcher; not
+# yet timed there: about 7 minutes by the runs above; name fewer variants to be sure of a call's 10 minutes). A machine goes back 30 s after a call returns:
 # send the next call at once. Never `pkill -f <word>` in a call: the call's own shell matches its words.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -82,40 +82,51 @@ case "$part" in
           cp "$run_dir/metrics.jsonl" "$out/bert-metrics.jsonl"; cp "$run_dir/summary.json" "$out/bert-summary.json" ;;
     bench) python bench/compare.py "$@" --out "$out/RESULTS-GPU.md" 2>&1 | tee "$out/bench.log" ;;
     profile) # why compile pays or not, and where the launcher's step differs from the raw loop's: BERT-base at
-             # micro-batch 128 in the precision given (default fp16), the raw loop eager, compiled as the launcher
+             # micro-batch 128 in the precision given (default fp16); the raw loop eager, compiled as the launcher
              # compiles (the module in DDP), compiled around DDP and compiled as one graph (no split at DDP's
-             # buckets), then the launcher eager and compiled; each
-             # profiles two steps after its 20 timed ones (both recording shapes), summarized by
-             # bench/trace_summary.py into profile-*.txt
-        [ $# -le 1 ] || { echo "profile takes one argument, the precision (fp32, bf16 or fp16)" >&2; exit 2; }
+             # buckets), then the launcher eager, compiled and compiled as one graph (train.compile_ddp_split=false),
+             # or the variants named in the second argument; each profiles two steps after its 20 timed ones
+             # (both recording shapes), summarized by bench/trace_summary.py into profile-*.txt
+        [ $# -le 2 ] || { echo "profile takes the precision (fp32, bf16 or fp16) and a comma list of variants" >&2; exit 2; }
         precision=${1:-fp16}
+        variants=${2:-raw-eager,raw-compiled,raw-compiled-outer,raw-compiled-unsplit,launcher-eager,launcher-compiled,launcher-compiled-unsplit}
         base=(--layers=12 --hidden=768 --heads=12 --micro=128 --steps=20 --log-every=5 --precision="$precision")
-        for variant in eager compiled compiled-outer compiled-unsplit; do
-            flags=(); [ "$variant" = eager ] || flags+=(--compile); [ "$variant" = compiled-outer ] && flags+=(--compile-outer)
-            [ "$variant" = compiled-unsplit ] && flags+=(--no-ddp-split)
-            python -m torch.distributed.run --standalone --nproc-per-node=1 bench/raw_ddp.py "${base[@]}" "${flags[@]}" \
-                --profile "$out/profile-raw-$variant.table.txt" | tail -n 1 | python -c 'import json, statistics, sys
+        for variant in ${variants//,/ }; do
+            case "$variant" in
+            raw-eager) flags=() ;;
+            raw-compiled) flags=(--compile) ;;
+            raw-compiled-outer) flags=(--compile --compile-outer) ;;
+            raw-compiled-unsplit) flags=(--compile --no-ddp-split) ;;
+            launcher-eager) flags=(train.compile=false) ;;
+            launcher-compiled) flags=(train.compile=true) ;;
+            launcher-compiled-unsplit) flags=(train.compile=true train.compile_ddp_split=false) ;;
+            *) echo "unknown profile variant $variant" >&2; exit 2 ;;
+            esac
+            if [ "${variant%%-*}" = raw ]; then
+                python -m torch.distributed.run --standalone --nproc-per-node=1 bench/raw_ddp.py "${base[@]}" "${flags[@]}" \
+                    --profile "$out/profile-$variant.table.txt" | tail -n 1 | python -c 'import json, statistics, sys
 r = json.load(sys.stdin); s = r["stamps"]
 print(sys.argv[1], round(r["samples_per_step"] * r["log_every"] / statistics.median(b - a for a, b in zip(s[1:], s[2:]))),
-      "samples/s, peak", round(r["peak_mem_mb"]), "MB")' "raw $variant $precision" 2>&1 | tee -a "$out/profile.log"
-            python bench/trace_summary.py "$out/profile-raw-$variant.table.json" > "$out/profile-raw-$variant.txt"
-            rm "$out/profile-raw-$variant.table.json"  # tens of MB; the summary and the op table stay
-        done
-        for compiled in false true; do
+      "samples/s, peak", round(r["peak_mem_mb"]), "MB")' "$variant $precision" 2>&1 | tee -a "$out/profile.log"
+                python bench/trace_summary.py "$out/profile-$variant.table.json" > "$out/profile-$variant.txt"
+                rm "$out/profile-$variant.table.json"  # tens of MB; the summary and the op table stay
+                continue
+            fi
             run_dir=$(mktemp -d)
             python -m launcher +exp=bench model.layers=12 model.hidden=768 model.heads=12 data.seq_len=128 \
                 launcher.device=cuda launcher.nproc_per_node=1 train.micro_batch_size=128 train.global_batch_size=512 \
-                train.max_steps=22 train.log_every=5 "train.profile=[21,22]" train.compile=$compiled \
-                precision="$precision" hydra.run.dir="$run_dir" > "$out/profile-launcher-compile-$compiled.log" 2>&1
-            python - "$run_dir" "launcher compile=$compiled $precision" <<'PY' | tee -a "$out/profile.log"
+                train.max_steps=22 train.log_every=5 "train.profile=[21,22]" "${flags[@]}" \
+                precision="$precision" hydra.run.dir="$run_dir" > "$out/profile-$variant.log" 2>&1
+            python - "$run_dir" "$variant $precision" <<'PY' | tee -a "$out/profile.log"
 import sys
 from pathlib import Path
 sys.path.insert(0, "bench")
 from compare import launcher_stamps, per_step
 summary, stamps = launcher_stamps(Path(sys.argv[1]))  # as the raw loop's: the logs of steps 5-20, not 22's
-print(sys.argv[2], round(512 / per_step(stamps[:4], 5)), "samples/s, peak", round(summary["peak_mem_mb"]), "MB")
+pieces = f", {summary['compiled_pieces']} compiled pieces" if "compiled_pieces" in summary else ""
+print(sys.argv[2], round(512 / per_step(stamps[:4], 5)), f"samples/s, peak {round(summary['peak_mem_mb'])} MB{pieces}")
 PY
-            python bench/trace_summary.py "$run_dir"/profile/rank0.*.json > "$out/profile-launcher-compile-$compiled.txt"
+            python bench/trace_summary.py "$run_dir"/profile/rank0.*.json > "$out/profile-$variant.txt"
             rm -rf "$run_dir"
         done ;;
     *) echo "unknown part $part: prepare, setup, gpu, suite, bert, bench or profile" >&2; exit 2 ;;

@@ -37,8 +37,9 @@ COMPILE_MODES = ("default", "max-autotune-no-cudagraphs", *CUDA_GRAPH_MODES)
 NOT_TRAJECTORY = {"plan", "launcher", "dist", "resume", "name", "logger"}
 NOT_TRAJECTORY_TRAIN = {"log_every", "eval_every", "ckpt_every", "keep_checkpoints", "num_workers",
                         "persistent_workers", "prefetch_factor", "compile", "compile_mode",
-                        "compile_dynamic", "compile_fullgraph", "max_bad_steps", "log_samples",
-                        "micro_batch_size", "max_micro_batch_size", "profile", "profile_ranks", "straggler_ratio"}
+                        "compile_dynamic", "compile_fullgraph", "compile_ddp_split", "max_bad_steps",
+                        "log_samples", "micro_batch_size", "max_micro_batch_size", "profile", "profile_ranks",
+                        "straggler_ratio"}
 
 
 def trajectory_config(config: dict[str, Any]) -> dict[str, Any]:

@@ -65,6 +65,9 @@ class TrainConfig:
     compile_mode: Optional[str] = None
     compile_dynamic: Optional[bool] = None  # null: static shapes, dynamic after the first shape change
     compile_fullgraph: bool = False  # a graph break is an error instead of a warning
+    # null: torch's default, the graph cut at DDP's gradient buckets so each bucket's all-reduce overlaps the
+    # backward; false: one graph (fusion across the whole model; the all-reduce waits for the backward)
+    compile_ddp_split: Optional[bool] = None
     tf32: bool = True  # TF32 matmuls on Ampere+ GPUs
     # null, warn or error: report what makes a steady step wait for the GPU (a diagnostic: it slows the
     # steps it checks; on the CPU it finds what would sync on a GPU)

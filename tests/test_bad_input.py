@@ -50,6 +50,8 @@ CASES = {  # name: (overrides, or a function of tmp_path giving them; what the l
                              "reduce-overhead, max-autotune"),
     "compile key without compile": (["+exp=toy", "train.compile_dynamic=true"],
                                     "train.compile_dynamic=true has no effect without train.compile=true"),
+    "ddp split without compile": (["+exp=toy", "train.compile_ddp_split=false"],
+                                  "train.compile_ddp_split=false has no effect without train.compile=true"),
     "cuda graphs with accumulation": (["+exp=toy", "train.compile=true", "train.compile_mode=reduce-overhead"],
                                       "(pytorch#169545), and with 2 ranks this run accumulates 2 micro-batches per "
                                       "step; set train.micro_batch_size to global_batch_size / world size"),

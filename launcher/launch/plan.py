@@ -148,7 +148,8 @@ def _check_compile(train: DictConfig, accumulations: dict[int, int | None]) -> N
     if mode is not None and mode not in COMPILE_MODES:
         raise ConfigError(f"train.compile_mode={mode} is not one of null, {', '.join(COMPILE_MODES)}")
     if not train.compile:
-        for key, unset in (("compile_mode", None), ("compile_dynamic", None), ("compile_fullgraph", False)):
+        for key, unset in (("compile_mode", None), ("compile_dynamic", None), ("compile_fullgraph", False),
+                           ("compile_ddp_split", None)):
             if train[key] != unset:
                 value = str(train[key]).lower() if isinstance(train[key], bool) else train[key]
                 raise ConfigError(f"train.{key}={value} has no effect without train.compile=true; "

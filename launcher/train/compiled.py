@@ -22,10 +22,18 @@ CONVERT_FRAME = os.path.join("torch", "_dynamo", "convert_frame.py")  # where dy
 TORCH_DIR = os.path.dirname(torch.__file__)
 
 
-def compile_module(model: torch.nn.Module, mode: str | None, dynamic: bool | None,
-                   fullgraph: bool) -> torch.nn.Module:
+def compile_module(model: torch.nn.Module, mode: str | None, dynamic: bool | None, fullgraph: bool,
+                   ddp_split: bool | None = None) -> torch.nn.Module:
     """The module DDP wraps: DDP's gradient hooks stay on the parameters, so gradients are still
-    synchronized (compiling ddp.module after wrapping is what breaks it, pytorch#109774)."""
+    synchronized (compiling ddp.module after wrapping is what breaks it, pytorch#109774).
+
+    ddp_split=False compiles one graph where dynamo's DDPOptimizer would cut it at every gradient bucket
+    (14 pieces for BERT-base): fusion then spans the whole model, and DDP's C++ reducer all-reduces the
+    buckets as the one backward finishes. The cuts exist for overlap across ranks; one GPU has nothing to
+    overlap. dynamo reads the setting when it compiles the first forward; it is global in this process, as
+    the one model it trains."""
+    if ddp_split is not None:
+        torch._dynamo.config.optimize_ddp = ddp_split  # a bool on every torch since 2.0
     return torch.compile(model, mode=mode, dynamic=dynamic, fullgraph=fullgraph)
 
 
@@ -81,12 +89,13 @@ class CompileWatch:
         from torch._dynamo import utils
 
         graphs, breaks = utils.counters["stats"].get("unique_graphs", 0), dict(utils.counters["graph_break"])
+        pieces = utils.counters["aot_autograd"].get("total", 0)  # graphs after DDPOptimizer's cuts, each compiled
         failures = getattr(utils, "guard_failures", {})  # recompile reasons by code; read leniently
         new_breaks = [reason for reason in breaks if reason not in self.breaks]
         # A recompile appends the reason each older cache entry of that code failed; the last one is enough.
         recompiled = [reasons[-1] for code, reasons in failures.items() if len(reasons) > self.failures.get(code, 0)]
         # graph_breaks: distinct reasons (dynamo counts a break again each time it compiles that code)
-        report = {"compiled_graphs": graphs, "graph_breaks": len(breaks),
+        report = {"compiled_graphs": graphs, "compiled_pieces": pieces, "graph_breaks": len(breaks),
                   "new_graphs": graphs - self.graphs, "new_breaks": new_breaks, "recompiled": recompiled,
                   "first_log": self.first_log}
         if self.cuda_graphs:  # graphs that inductor could not capture as CUDA graphs run like mode=default
@@ -104,7 +113,7 @@ def combine(reports: list[dict[str, Any]]) -> tuple[dict[str, int], list[str]]:
     and warnings, one per new reason."""
     if not reports or not reports[0]:
         return {}, []
-    keys = ("compiled_graphs", "graph_breaks", "cudagraph_skips")
+    keys = ("compiled_graphs", "compiled_pieces", "graph_breaks", "cudagraph_skips")
     scalars = {key: max(r[key] for r in reports) for key in keys if key in reports[0]}
     warnings, seen = [], set()
     for rank, report in enumerate(reports):

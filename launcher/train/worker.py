@@ -62,8 +62,8 @@ def build(cfg: DictConfig, run_dir: Path, env: launcher_dist.DistEnv) -> Run:
     model.train()  # dropout on from step 1: HF's from_pretrained returns a model in eval mode
     if env.device.type == "cuda" and train_cfg.tf32:  # TF32 matmuls on Ampere+: ~free speed for fp32 parts
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
-    trained = compile_module(model, train_cfg.compile_mode, train_cfg.compile_dynamic,
-                             train_cfg.compile_fullgraph) if train_cfg.compile else model
+    trained = compile_module(model, train_cfg.compile_mode, train_cfg.compile_dynamic, train_cfg.compile_fullgraph,
+                             train_cfg.compile_ddp_split) if train_cfg.compile else model
     ddp = DDP(trained, device_ids=[env.local_rank] if env.device.type == "cuda" else None,
               bucket_cap_mb=cfg.dist.bucket_cap_mb, gradient_as_bucket_view=cfg.dist.gradient_as_bucket_view,
               static_graph=cfg.dist.static_graph, find_unused_parameters=cfg.dist.find_unused_parameters,
