@@ -70,6 +70,7 @@ def observe(cfg: DictConfig, env: launcher_dist.DistEnv, config_path: str, mode:
         torch.cuda.set_sync_debug_mode("default")
         ledger.settle()
         out["steps_without_sync"] = run.max_steps - 3
+        out["compiled_pieces"] = run.compile_watch.read().get("compiled_pieces")  # None without train.compile
         return out
     if mode == "knobs":  # what DDP, the optimizer and torch report after two real steps
         calls, comm_hook = {"n": 0}, run.model._get_ddp_logging_data().get("comm_hook")  # as the worker built it

@@ -64,17 +64,26 @@ def test_fp16_overflow_on_cuda_skips_halves_the_scale_and_holds_the_scheduler(tm
     assert bad["params"] == before["params"]  # the fused optimizer really did not step
 
 
-@pytest.mark.parametrize("exp,precision", [("toy", "fp32"), ("toy", "fp16"), ("bench", "bf16"), ("bench", "fp16")])
-def test_a_steady_step_never_waits_for_the_gpu(tmp_path: Path, exp: str, precision: str) -> None:
+COMPILED = ("train.compile=true", "dist.bucket_cap_mb=1")  # 1 MB buckets: dynamo cuts the small BERT in pieces
+
+
+@pytest.mark.parametrize("exp,precision,compiled", [
+    ("toy", "fp32", ()), ("toy", "fp16", ()), ("bench", "bf16", ()), ("bench", "fp16", ()),
+    ("bench", "fp16", COMPILED), ("bench", "fp16", (*COMPILED, "train.compile_ddp_split=false"))],
+    ids=["toy-fp32", "toy-fp16", "bench-bf16", "bench-fp16", "bench-fp16-compiled", "bench-fp16-compiled-whole"])
+def test_a_steady_step_never_waits_for_the_gpu(tmp_path: Path, exp: str, precision: str, compiled: tuple) -> None:
     """Issue 11: under torch.cuda.set_sync_debug_mode("error") five steps that neither log, evaluate nor
     checkpoint run through (pinned loading, the step, the meter); a GPU read there does raise. BERT
-    (bench) needs transformers 5: 4.x's BERT checks its attention mask on the GPU in every forward."""
+    (bench) needs transformers 5: 4.x's BERT checks its attention mask on the GPU in every forward.
+    Compiled: in dynamo's pieces at DDP's buckets, and as one graph (train.compile_ddp_split=false)."""
     if exp == "bench" and int(transformers.__version__.split(".")[0]) < 5:
         pytest.skip(f"transformers {transformers.__version__}'s BERT syncs on its attention mask (5.x does not)")
     small_bert = ("model.layers=2", "model.hidden=128", "model.heads=2", "data.seq_len=64", "data.n_samples=256")
     (rank,) = probe(tmp_path, 1, "syncfree", *ONE_GPU, f"precision={precision}", "train.max_steps=8",
-                    *(small_bert if exp == "bench" else ()), exp=exp)
+                    *(small_bert if exp == "bench" else ()), *compiled, exp=exp)
     assert rank["steps_without_sync"] == 5 and rank["control_raised"]
+    pieces = rank["compiled_pieces"]
+    assert pieces is None if not compiled else pieces == 1 if "train.compile_ddp_split=false" in compiled else pieces > 1
 
 
 @pytest.mark.parametrize("exp", ["toy", "bench", "bert"])
