@@ -4,7 +4,7 @@ Per precision and round: seconds per optimizer step (median over log intervals a
 launcher/raw ratio within the round, seconds from command start to the end of the first optimizer step,
 peak memory of rank 0; on the CPU also gradient all-reduces per step (a comm hook) and the logging cost.
 With CUDA (bench/gpu.py): BERT-base on every visible GPU, fp32/bf16/fp16, eager and compiled.
-Run: python bench/compare.py [--rounds 3] [--compile off,on]
+Run: python bench/compare.py [--rounds 3] [--compile off,on] [--no-ddp-split]
 (CPU: about 30 minutes on 2 cores, writes bench/RESULTS.md; GPU: writes bench/RESULTS-GPU.md, see bench/gpu.py)
 """
 from __future__ import annotations
@@ -115,6 +115,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--precisions", default="fp32,bf16")
     parser.add_argument("--compile", default="off,on", help="eager (off) and/or torch.compile on both sides (on)")
+    parser.add_argument("--no-ddp-split", action="store_true", help="compiled rows as one graph on both sides")
     parser.add_argument("--out", type=Path, default=REPO / "bench" / "RESULTS.md")
     args = parser.parse_args()
     rows = []
@@ -122,10 +123,16 @@ def main() -> None:
         work = Path(tmp)
         for mode, precision in [(m, p) for m in args.compile.split(",") for p in args.precisions.split(",")]:
             compiled = mode == "on"
+            # eager, compiled, or compiled as one graph (train.compile_ddp_split=false, raw_ddp.py --no-ddp-split)
+            launcher_extra = [f"train.compile={str(compiled).lower()}"]
+            raw_extra = ["--compile"] if compiled else []
+            if compiled and args.no_ddp_split:
+                launcher_extra.append("train.compile_ddp_split=false")
+                raw_extra.append("--no-ddp-split")
             rounds = []
             for r in range(args.rounds):  # A then B, every round
-                launcher = run_launcher(precision, work, extra=(f"train.compile={str(compiled).lower()}",))
-                raw = run_raw(precision, extra=("--compile",) if compiled else ())
+                launcher = run_launcher(precision, work, extra=tuple(launcher_extra))
+                raw = run_raw(precision, extra=tuple(raw_extra))
                 rounds.append((launcher, raw))
                 print(f"{precision} {'compiled' if compiled else 'eager'} round {r + 1}: launcher "
                       f"{launcher['step_s']:.3f} s/step, raw {raw['step_s']:.3f} s/step, ratio "
@@ -148,7 +155,8 @@ def main() -> None:
     lines = ["# Benchmark: launcher vs a hand-written torchrun DDP loop\n",
              f"Machine: {platform.machine()}, {platform.processor() or 'cpu'}, {__import__('os').cpu_count()} cores; "
              f"torch {__import__('torch').__version__}; 2 ranks (gloo); BERT 4 x 256, 4 heads, seq 128, random tokens,"
-             f" micro-batch 8, accumulation 4, AdamW, clipping 1.0; {args.rounds} interleaved rounds of {STEPS} steps.\n",
+             f" micro-batch 8, accumulation 4, AdamW, clipping 1.0; {args.rounds} interleaved rounds of {STEPS} steps"
+             f"{'; compiled as one graph (no split at DDP buckets)' if args.no_ddp_split else ''}.\n",
              "| precision | mode | launcher s/step | raw s/step | ratio (median; per round) | first step: launcher / raw / "
              "delta (s) | peak RSS rank 0: launcher / raw (MB) |", "|---|---|---|---|---|---|---|"]
     for r in rows:

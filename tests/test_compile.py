@@ -75,21 +75,19 @@ def test_a_graph_break_is_reported_and_fullgraph_makes_it_a_one_line_error(tmp_p
 
 def test_compile_ddp_split_false_compiles_one_graph_and_trains_the_same(tmp_path: Path) -> None:
     """Four 1 MB layers in 1 MB buckets: dynamo's DDPOptimizer cuts the compiled model at the buckets
-    (compiled_pieces > 1, one dynamo graph); train.compile_ddp_split=false compiles it whole. Both train the
-    eager run's trajectory on 2 ranks: the whole graph's gradients are still all-reduced."""
+    (compiled_pieces > 1, one dynamo graph); train.compile_ddp_split=false compiles it whole. On 2 ranks
+    both log the same losses: the whole graph's gradients are still all-reduced (the cut one's are:
+    tests/test_distributed_math.py)."""
     wide = ("model.hidden=512", "model.depth=4", "dist.bucket_cap_mb=1", "train.max_steps=20", "train.log_every=10")
-    eager_dir = tmp_path / "eager"
-    out = run_cli("+exp=toy", *wide, f"hydra.run.dir={eager_dir}", cwd=tmp_path)
-    assert out.returncode == 0, out.stderr[-3000:]
-    eager = [m["loss"] for m in logged(eager_dir)]
-    pieces = {}
+    pieces, losses = {}, {}
     for split in ("null", "false"):
         run_dir, out = compiled_run(tmp_path, f"split-{split}", *wide, f"train.compile_ddp_split={split}")
         pieces[split] = [(m["compiled_graphs"], m["compiled_pieces"]) for m in logged(run_dir)]
-        assert [m["loss"] for m in logged(run_dir)] == pytest.approx(eager, rel=1e-5), split
+        losses[split] = [m["loss"] for m in logged(run_dir)]
         assert not compile_warnings(out)
     assert pieces["false"] == [(1, 1)] * 2
     assert all(graphs == 1 and cuts > 1 for graphs, cuts in pieces["null"]), pieces
+    assert losses["false"] == pytest.approx(losses["null"], rel=1e-5)
 
 
 def test_a_cuda_graph_mode_reaches_inductor(tmp_path: Path) -> None:
