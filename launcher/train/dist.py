@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import gc
 import os
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -76,6 +77,11 @@ def shutdown() -> None:
     minimal DDP script here, 0 of 90 when the model was collected first).
     """
     gc.collect()  # DDP's hooks form reference cycles: collect them while Python is fully alive
+    # torch 2.6's ~ProcessGroupGloo takes the group's lock holding the GIL, while gloo's thread may still be
+    # dropping a finished collective whose tensors Python let go of, which needs the GIL: a deadlock (once in
+    # CI's floor run; py-spy: ~ProcessGroupGloo in pthread_mutex_lock, gloo's runLoop in gil_scoped_acquire).
+    # A sleep hands that thread the GIL first.
+    time.sleep(0.1)
     dist.destroy_process_group()
 
 
