@@ -58,6 +58,22 @@ def run_launcher(precision: str, work: Path, log_every: int = LOG_EVERY, steps: 
                          summary.get("graph_breaks"))}
 
 
+def compile_args(compiled: bool, one_graph: bool = False, mode: str | None = None) -> tuple[tuple[str, ...],
+                                                                                          tuple[str, ...]]:
+    """The launcher's overrides and raw_ddp.py's flags alike: eager, or compiled (in `mode`; as one graph
+    instead of dynamo's pieces at DDP's buckets: train.compile_ddp_split=false, --no-ddp-split)."""
+    if not compiled:
+        return ("train.compile=false",), ()
+    launcher, raw = ["train.compile=true"], ["--compile"]
+    if mode:
+        launcher.append(f"train.compile_mode={mode}")
+        raw.append(f"--compile-mode={mode}")
+    if one_graph:
+        launcher.append("train.compile_ddp_split=false")
+        raw.append("--no-ddp-split")
+    return tuple(launcher), tuple(raw)
+
+
 def logging_cost(work: Path, rounds: int) -> list[float]:
     """Launcher step time logging every step over logging every 50 steps (fp32), per round.
 
@@ -123,16 +139,11 @@ def main() -> None:
         work = Path(tmp)
         for mode, precision in [(m, p) for m in args.compile.split(",") for p in args.precisions.split(",")]:
             compiled = mode == "on"
-            # eager, compiled, or compiled as one graph (train.compile_ddp_split=false, raw_ddp.py --no-ddp-split)
-            launcher_extra = [f"train.compile={str(compiled).lower()}"]
-            raw_extra = ["--compile"] if compiled else []
-            if compiled and args.no_ddp_split:
-                launcher_extra.append("train.compile_ddp_split=false")
-                raw_extra.append("--no-ddp-split")
+            launcher_extra, raw_extra = compile_args(compiled, args.no_ddp_split)
             rounds = []
             for r in range(args.rounds):  # A then B, every round
-                launcher = run_launcher(precision, work, extra=tuple(launcher_extra))
-                raw = run_raw(precision, extra=tuple(raw_extra))
+                launcher = run_launcher(precision, work, extra=launcher_extra)
+                raw = run_raw(precision, extra=raw_extra)
                 rounds.append((launcher, raw))
                 print(f"{precision} {'compiled' if compiled else 'eager'} round {r + 1}: launcher "
                       f"{launcher['step_s']:.3f} s/step, raw {raw['step_s']:.3f} s/step, ratio "

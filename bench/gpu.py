@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from compare import REPO, run_launcher, run_raw
+from compare import REPO, compile_args, run_launcher, run_raw
 
 BERT_BASE = {"layers": 12, "hidden": 768, "heads": 12, "seq_len": 128}
 
@@ -50,20 +50,17 @@ def one_round(precision: str, compiled: bool, args: argparse.Namespace, gpus: in
     """The launcher's and the raw loop's run, in the order given: rounds alternate it, since the second run
     of a round finds inductor's kernels (both compile the same model) and the GPU as the first left them."""
     global_batch = args.micro * args.accum * gpus
+    launcher_compile, raw_compile = compile_args(compiled, args.no_ddp_split, args.compile_mode)
     launcher_args = (
         f"model.layers={BERT_BASE['layers']}", f"model.hidden={BERT_BASE['hidden']}",
         f"model.heads={BERT_BASE['heads']}", f"data.seq_len={BERT_BASE['seq_len']}",
         f"data.n_samples={max(4096, 2 * global_batch)}", "launcher.device=cuda", f"launcher.nproc_per_node={gpus}",
         f"train.micro_batch_size={args.micro}", f"train.global_batch_size={global_batch}",
-        f"train.compile={str(compiled).lower()}", *([f"train.compile_mode={args.compile_mode}"] if compiled and
-                                                     args.compile_mode else []),
-        *(["train.compile_ddp_split=false"] if compiled and args.no_ddp_split else []))
+        *launcher_compile)
     raw_args = (
         f"--layers={BERT_BASE['layers']}", f"--hidden={BERT_BASE['hidden']}", f"--heads={BERT_BASE['heads']}",
         f"--seq-len={BERT_BASE['seq_len']}", f"--micro={args.micro}", f"--accum={args.accum}",
-        *(["--compile"] if compiled else []), *([f"--compile-mode={args.compile_mode}"] if compiled and
-                                                 args.compile_mode else []),
-        *(["--no-ddp-split"] if compiled and args.no_ddp_split else []))
+        *raw_compile)
     launch = partial(run_launcher, precision, work, args.log_every, args.steps, launcher_args)
     raw_loop = partial(run_raw, precision, args.log_every, args.steps, raw_args, nproc=gpus)
     if raw_first:
