@@ -80,7 +80,8 @@ def shutdown() -> None:
     # torch 2.6's ~ProcessGroupGloo takes the group's lock holding the GIL, while gloo's thread may still be
     # dropping a finished collective whose tensors Python let go of, which needs the GIL: a deadlock (once in
     # CI's floor run; py-spy: ~ProcessGroupGloo in pthread_mutex_lock, gloo's runLoop in gil_scoped_acquire).
-    # A sleep hands that thread the GIL first.
+    # A sleep hands that thread the GIL first. pytorch#154976 (merged June 2025: torch 2.8 by its date) makes the
+    # group's destructor release the GIL, which ends the deadlock there; the floor, 2.6, still needs the sleep.
     time.sleep(0.1)
     dist.destroy_process_group()
 
