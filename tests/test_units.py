@@ -1,13 +1,15 @@
-"""In-process unit tests: batch math, the data plan, the schedule (PITFALLS #15 #16, issue 2)."""
+"""In-process unit tests: batch math, the data plan and its loader, the schedule (PITFALLS #15 #16, issue 2)."""
 from __future__ import annotations
 
 import os
+import random
 
+import numpy as np
 import pytest
 import torch
 
 from launcher.derived import ConfigError, grad_accum_steps
-from launcher.train.data import DataPlan, rank_share
+from launcher.train.data import DataPlan, StepWindows, rank_share, window_loader
 from launcher.train.schedule import lr_factor
 
 
@@ -54,6 +56,42 @@ def test_resumed_stream_equals_the_uninterrupted_one() -> None:
     uninterrupted = [plan.step_indices(s).tolist() for s in range(20)]
     resumed = DataPlan(50, 8, 1, False)
     assert [resumed.step_indices(s).tolist() for s in range(7, 20)] == uninterrupted[7:]
+
+
+class AugmentingTask:
+    """A job that draws random numbers in collate, from torch, random and numpy (augmentation)."""
+
+    train_set = [{"id": i} for i in range(64)]
+
+    def collate(self, samples: list[dict]) -> dict:
+        return {"id": torch.tensor([s["id"] for s in samples]), "noise": torch.stack(
+            [torch.rand(()), torch.tensor(random.random()), torch.tensor(np.random.rand())]).expand(len(samples), 3)}
+
+    def count_items(self, batch: dict) -> torch.Tensor:
+        return torch.tensor(len(batch["id"]))
+
+
+def drawn(num_workers: int, steps: range, rank: int = 1) -> list[list[torch.Tensor]]:
+    windows = StepWindows(AugmentingTask(), DataPlan(64, 8, seed=3, drop_last=False), rank, world_size=2,
+                          grad_accum_steps=2)
+    return [[b["noise"] for b in w.micro_batches] for w in window_loader(windows, steps, num_workers, False)]
+
+
+def test_collate_in_loader_processes_draws_the_same_for_a_step_after_a_resume() -> None:
+    """What collate draws in a loader process is a function of (seed, rank, step): a loader started at step 3
+    (a resume, a redone step) or with another number of processes draws what the first run drew for steps
+    3-5. In the rank's own process collate draws from the rank's stream, which a checkpoint carries:
+    that stream is not reseeded (it would repeat dropout masks)."""
+    uninterrupted = drawn(2, range(6))
+    for resumed in (drawn(2, range(3, 6)), drawn(1, range(3, 6))):
+        for a, b in zip(uninterrupted[3:], resumed, strict=True):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert not torch.equal(uninterrupted[3][0], uninterrupted[4][0])  # a new draw per step
+    assert not torch.equal(drawn(2, range(3, 4), rank=0)[0][0], uninterrupted[3][0])  # and per rank
+    torch.manual_seed(5)
+    in_process = drawn(0, range(1))[0][0][0, 0]
+    torch.manual_seed(5)
+    assert in_process == torch.rand(())  # the rank's stream, continued
 
 
 def test_schedules() -> None:

@@ -7,11 +7,13 @@ resume on any world size continues at the right sample. Exercised by: tests/test
 from __future__ import annotations
 
 import math
+import random
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Iterator
 
+import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, get_worker_info
 
 from launcher.task import Task, count_tokens
 
@@ -77,6 +79,8 @@ class StepWindows(Dataset):
         if padding:  # every rank must run a backward to join the one gradient all-reduce of the step
             mine = indices[:1]
         chunks = [c for c in torch.tensor_split(mine, self.grad_accum_steps) if len(c)]
+        if get_worker_info() is not None:  # in a loader process: what collate draws is a function of the step
+            seed_worker_for(collate_seed(self.plan.seed, self.rank, step))
         batches = [self.task.collate([self.task.train_set[i] for i in c.tolist()]) for c in chunks]
         # Counted here, on the CPU batches (in a loader process when there are some): the step then needs
         # no read-back from, and no pageable copy to, the GPU to normalise its loss.
@@ -96,6 +100,25 @@ def _keep(window: Window) -> Window:
 def rank_seed(seed: int, rank: int, step: int) -> int:
     """A seed for `rank`'s random stream from `step` on: different for every rank and every step."""
     return (seed * 1_000_003 + rank) * 1_000_003 + step
+
+
+def collate_seed(seed: int, rank: int, step: int) -> int:
+    """The seed of what collate draws in a loader process for `rank`'s window of `step`: apart from the
+    rank's own stream (rank_seed), whose dropout masks it would otherwise repeat."""
+    return rank_seed(seed, rank, step) + (1 << 62)
+
+
+def seed_worker_for(seed: int) -> None:
+    """A loader process's random streams (torch, random, numpy) from `seed`, before it collates a window.
+
+    torch seeds its loader processes per loader iterator, and which process gets which step depends on
+    where the iterator started: a job drawing random numbers in collate (augmentation) would draw others
+    for the same step after a resume or with another train.num_workers. Seeded per step, it draws the
+    same (for the same micro-batch split). Without loader processes collate draws from the rank's own stream, which a
+    checkpoint saves and a resume restores; reseeding that one would repeat its dropout masks."""
+    torch.manual_seed(seed)
+    random.seed(seed)
+    np.random.seed(seed % 2**32)  # numpy's global stream takes 32 bits
 
 
 def window_loader(windows: StepWindows, steps: Iterable[int], num_workers: int, pin_memory: bool,
