@@ -79,7 +79,7 @@ def drawn(num_workers: int, steps: range, rank: int = 1) -> list[list[torch.Tens
 
 def test_collate_in_loader_processes_draws_the_same_for_a_step_after_a_resume() -> None:
     """What collate draws in a loader process is a function of (seed, rank, step): a loader started at step 3
-    (a resume, a redone step) or with another number of processes draws what the first run drew for steps
+    (a resume) or with another number of processes draws what the first run drew for steps
     3-5. In the rank's own process collate draws from the rank's stream, which a checkpoint carries:
     that stream is not reseeded (it would repeat dropout masks)."""
     uninterrupted = drawn(2, range(6))

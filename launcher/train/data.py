@@ -114,8 +114,9 @@ def seed_worker_for(seed: int) -> None:
     torch seeds its loader processes per loader iterator, and which process gets which step depends on
     where the iterator started: a job drawing random numbers in collate (augmentation) would draw others
     for the same step after a resume or with another train.num_workers. Seeded per step, it draws the
-    same (for the same micro-batch split). Without loader processes collate draws from the rank's own stream, which a
-    checkpoint saves and a resume restores; reseeding that one would repeat its dropout masks."""
+    same (for the same micro-batch split). Without loader processes collate draws from the rank's own
+    stream, which a checkpoint saves and a resume restores; reseeding that one would repeat its dropout
+    masks."""
     torch.manual_seed(seed)
     random.seed(seed)
     np.random.seed(seed % 2**32)  # numpy's global stream takes 32 bits
