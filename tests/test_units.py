@@ -87,7 +87,7 @@ def test_collate_in_loader_processes_draws_the_same_for_a_step_after_a_resume() 
         for a, b in zip(uninterrupted[3:], resumed, strict=True):
             torch.testing.assert_close(a, b, rtol=0, atol=0)
     assert not torch.equal(uninterrupted[3][0], uninterrupted[4][0])  # a new draw per step
-    assert not torch.equal(drawn(2, range(3, 4), rank=0)[0][0], uninterrupted[3][0])  # and per rank
+    assert not torch.equal(drawn(2, range(3, 4), rank=0)[0][0], uninterrupted[3][0])  # and per rank (PITFALLS #17)
     torch.manual_seed(5)
     in_process = drawn(0, range(1))[0][0][0, 0]
     torch.manual_seed(5)
