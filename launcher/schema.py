@@ -42,7 +42,7 @@ class ScheduleName(str, Enum):
 
 @dataclass
 class TrainConfig:
-    seed: int = 0
+    seed: int = 0  # 0..2**32 - 1; every rank's streams (dropout, shuffling, loader processes) derive from it
     global_batch_size: int = 32  # samples per optimizer step, over all ranks and micro-batches
     # samples per forward/backward on one rank, or auto: the largest that fits on every rank (probed before
     # the first step; halved, and the step redone, when a rank runs out of memory later)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from launcher.derived import ConfigError, grad_accum_steps
-from launcher.train.data import DataPlan, StepWindows, rank_share, window_loader
+from launcher.train.data import DataPlan, StepWindows, rank_seed, rank_share, window_loader
 from launcher.train.schedule import lr_factor
 
 
@@ -71,8 +71,8 @@ class AugmentingTask:
         return torch.tensor(len(batch["id"]))
 
 
-def drawn(num_workers: int, steps: range, rank: int = 1) -> list[list[torch.Tensor]]:
-    windows = StepWindows(AugmentingTask(), DataPlan(64, 8, seed=3, drop_last=False), rank, world_size=2,
+def drawn(num_workers: int, steps: range, rank: int = 1, seed: int = 3) -> list[list[torch.Tensor]]:
+    windows = StepWindows(AugmentingTask(), DataPlan(64, 8, seed=seed, drop_last=False), rank, world_size=2,
                           grad_accum_steps=2)
     return [[b["noise"] for b in w.micro_batches] for w in window_loader(windows, steps, num_workers, False)]
 
@@ -92,6 +92,15 @@ def test_collate_in_loader_processes_draws_the_same_for_a_step_after_a_resume() 
     in_process = drawn(0, range(1))[0][0][0, 0]
     torch.manual_seed(5)
     assert in_process == torch.rand(())  # the rank's stream, continued
+
+
+def test_every_seed_the_parent_takes_gives_seeds_torch_takes() -> None:
+    """train.seed up to 2**32 - 1 (the parent refuses more): the ranks' derived seeds fit torch's generators
+    (1e8 overflowed them in the loader's generator, a one-rank traceback), and small seeds keep their streams."""
+    largest = 2**32 - 1
+    assert drawn(1, range(2), seed=largest) and drawn(0, range(2), seed=largest)
+    torch.manual_seed(rank_seed(largest, 4095, 10**9))
+    assert rank_seed(3, 1, 5) == (3 * 1_000_003 + 1) * 1_000_003 + 5  # as before: resumed runs draw the same
 
 
 def test_schedules() -> None:

@@ -98,14 +98,15 @@ def _keep(window: Window) -> Window:
 
 
 def rank_seed(seed: int, rank: int, step: int) -> int:
-    """A seed for `rank`'s random stream from `step` on: different for every rank and every step."""
-    return (seed * 1_000_003 + rank) * 1_000_003 + step
+    """A seed for `rank`'s random stream from `step` on: different for every rank and every step.
+    Within 63 bits, which torch's generators take (train.seed goes up to 2**32 - 1)."""
+    return ((seed * 1_000_003 + rank) * 1_000_003 + step) % 2**63
 
 
 def collate_seed(seed: int, rank: int, step: int) -> int:
     """The seed of what collate draws in a loader process for `rank`'s window of `step`: apart from the
     rank's own stream (rank_seed), whose dropout masks it would otherwise repeat."""
-    return rank_seed(seed, rank, step) + (1 << 62)
+    return rank_seed(seed, rank, step) ^ (1 << 62)
 
 
 def seed_worker_for(seed: int) -> None:
