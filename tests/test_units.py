@@ -100,7 +100,8 @@ def test_every_seed_the_parent_takes_gives_seeds_torch_takes() -> None:
     largest = 2**32 - 1
     assert drawn(1, range(2), seed=largest) and drawn(0, range(2), seed=largest)
     torch.manual_seed(rank_seed(largest, 4095, 10**9))
-    assert rank_seed(3, 1, 5) == (3 * 1_000_003 + 1) * 1_000_003 + 5  # as before: resumed runs draw the same
+    for seed in (3, 10_000_000):  # a seed whose derived seeds fitted (10^7's: above 2**63) keeps them
+        assert rank_seed(seed, 1, 500) == (seed * 1_000_003 + 1) * 1_000_003 + 500
 
 
 def test_schedules() -> None:

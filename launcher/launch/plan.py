@@ -116,7 +116,7 @@ def make_plan(cfg: DictConfig) -> Plan:
                 "launcher.max_restarts"):
         if OmegaConf.select(cfg, key) < 0:
             raise ConfigError(f"{key}={OmegaConf.select(cfg, key)} must be >= 0")
-    if not 0 <= cfg.train.seed < 2**32:  # numpy's range; the ranks' seeds are derived from it (launcher/train/data.py)
+    if not 0 <= cfg.train.seed < 2**32:  # numpy's range, and the ranks' seeds (data.rank_seed) fit torch's 64 bits
         raise ConfigError(f"train.seed={cfg.train.seed} is not in 0..{2**32 - 1}; pick a seed in that range")
     if signal_named(cfg.launcher.signal) in (None, signal.SIGKILL, signal.SIGSTOP):
         raise ConfigError(f"launcher.signal={cfg.launcher.signal} is not a signal that can be caught; "

@@ -99,8 +99,8 @@ def _keep(window: Window) -> Window:
 
 def rank_seed(seed: int, rank: int, step: int) -> int:
     """A seed for `rank`'s random stream from `step` on: different for every rank and every step.
-    Within 63 bits, which torch's generators take (train.seed goes up to 2**32 - 1)."""
-    return ((seed * 1_000_003 + rank) * 1_000_003 + step) % 2**63
+    Within the 64 bits torch's generators take (train.seed goes up to 2**32 - 1); a value that fitted is kept."""
+    return ((seed * 1_000_003 + rank) * 1_000_003 + step) % 2**64
 
 
 def collate_seed(seed: int, rank: int, step: int) -> int:
