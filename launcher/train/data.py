@@ -109,6 +109,12 @@ def collate_seed(seed: int, rank: int, step: int) -> int:
     return rank_seed(seed, rank, step) ^ (1 << 62)
 
 
+def seed_all(seed: int) -> None:
+    """This process's torch (CUDA too) and Python random streams from `seed`."""
+    random.seed(seed)
+    torch.manual_seed(seed)  # also seeds CUDA
+
+
 def seed_worker_for(seed: int) -> None:
     """A loader process's random streams (torch, random, numpy) from `seed`, before it collates a window.
 
@@ -118,8 +124,7 @@ def seed_worker_for(seed: int) -> None:
     same (for the same micro-batch split). Without loader processes collate draws from the rank's own
     stream, which a checkpoint saves and a resume restores; reseeding that one would repeat its dropout
     masks."""
-    torch.manual_seed(seed)
-    random.seed(seed)
+    seed_all(seed)
     np.random.seed(seed % 2**32)  # numpy's global stream takes 32 bits
 
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import sys
 from pathlib import Path
 from typing import Any
@@ -26,7 +25,7 @@ from launcher.preempt import REQUEUE_EXIT_CODE, StopFlag, preemption_signals
 from launcher.train import checkpoint, micro_batch
 from launcher.train import dist as launcher_dist
 from launcher.train.compiled import CompileWatch, compile_module, failures_in_one_line
-from launcher.train.data import DataPlan, rank_seed
+from launcher.train.data import DataPlan, rank_seed, seed_all
 from launcher.train.ledger import Progress
 from launcher.train.loop import Run, train
 from launcher.train.metrics import RunLog
@@ -46,11 +45,6 @@ def _takes_fused(optimizer_cfg: DictConfig) -> bool:
     torch's default there, the per-tensor loop (bench/optimizer_step.py), so CPU runs also take the path
     that GPU runs take."""
     return not {"fused", "foreach"} & set(optimizer_cfg) and optimizer_cfg._target_.rsplit(".", 1)[-1] in ("Adam", "AdamW", "SGD")
-
-
-def seed_all(seed: int) -> None:
-    random.seed(seed)
-    torch.manual_seed(seed)  # also seeds CUDA
 
 
 def build(cfg: DictConfig, run_dir: Path, env: launcher_dist.DistEnv) -> Run:
