@@ -30,11 +30,11 @@ def compile_warnings(out: subprocess.CompletedProcess) -> list[str]:
     return [line for line in out.stderr.splitlines() if "warning: torch.compile" in line]
 
 
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
-def test_the_step_around_a_compiled_bert_compiles_once_without_graph_breaks(tmp_path: Path, precision: str) -> None:
+def test_the_step_around_a_compiled_bert_compiles_once_without_graph_breaks(tmp_path: Path) -> None:
     """no_sync, autocast, the loss outside the model, the device-side flags: none of it breaks the graph or
-    recompiles it in later steps. One graph per rank for all 8 steps, and nothing to warn about."""
-    run_dir, out = compiled_run(tmp_path, precision, *SMALL_BERT, f"precision={precision}", "train.max_steps=8",
+    recompiles it in later steps. One graph per rank for all 8 steps, and nothing to warn about. In bf16, the
+    step with the most around the model (fp32 only lacks autocast; test_distributed_math compiles it)."""
+    run_dir, out = compiled_run(tmp_path, "bf16", *SMALL_BERT, "precision=bf16", "train.max_steps=8",
                                 "train.log_every=2", "train.global_batch_size=16", "train.micro_batch_size=4", exp="bench")
     assert [(m["compiled_graphs"], m["graph_breaks"]) for m in logged(run_dir)] == [(1, 0)] * 4
     assert not compile_warnings(out)

@@ -95,15 +95,24 @@ def worker_pid(parent: int, rank: int) -> int:
     raise LookupError(f"no rank {rank} worker under {parent}")
 
 
+class References(dict):
+    """Uninterrupted runs (fp32, fp16, with dropout), each trained when a test first asks for it: a
+    selection of the tests (CI's torch-floor run, tests/test_torch_floor.py) trains only what it compares."""
+
+    def __init__(self, tmp_path_factory: pytest.TempPathFactory) -> None:
+        super().__init__()
+        self.tmp_path_factory = tmp_path_factory
+
+    def __missing__(self, name: str) -> Path:
+        run_dir = self.tmp_path_factory.mktemp("reference") / name
+        finish(start(run_dir, *{"fp32": (), "fp16": FP16, "dropout": DROPOUT}[name]), 0)
+        self[name] = run_dir
+        return run_dir
+
+
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """Uninterrupted runs: fp32, fp16, and with dropout."""
-    runs = {}
-    for name, extra in (("fp32", ()), ("fp16", FP16), ("dropout", DROPOUT)):
-        run_dir = tmp_path_factory.mktemp("reference") / name
-        finish(start(run_dir, *extra), 0)
-        runs[name] = run_dir
-    return runs
+def reference(tmp_path_factory: pytest.TempPathFactory) -> References:
+    return References(tmp_path_factory)
 
 
 def preempt(run_dir: Path, sig: signal.Signals, *extra: str, env: dict[str, str] | None = None) -> int:
