@@ -70,12 +70,13 @@ def read_metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-# The files that take longest (CI's 2 cores, one worker: 100-165 s each) run first: README's test command
-# hands whole files to 2 workers (-n 2; --dist loadfile in pyproject.toml, so a module's fixtures, the Slurm
-# cluster and the reference runs, are made once), and a long file taken last would leave the other worker
-# idle at the end.
-SLOWEST_FILES_FIRST = ("test_slurm.py", "test_bert.py", "test_resume.py", "test_many_nodes.py", "test_tracking.py",
-                       "test_micro_batch.py", "test_hang.py")
+# The files that take longest run first, longest first (120-400 s each with both of CI's 2 cores busy):
+# README's test command hands whole files to 2 workers (-n 2; --dist loadfile in pyproject.toml, so a
+# module's fixtures, the Slurm cluster and the reference runs, are made once), and a long file taken last
+# would leave the other worker idle at the end.
+SLOWEST_FILES_FIRST = ("test_bert.py", "test_slurm.py", "test_compile.py", "test_resume.py", "test_tracking.py",
+                       "test_micro_batch.py", "test_many_nodes.py", "test_knobs.py", "test_distributed_math.py",
+                       "test_hang.py")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
