@@ -57,3 +57,17 @@ def test_exp_group_is_not_in_the_defaults() -> None:
     assert all("exp" not in (d if isinstance(d, str) else d.keys()) for d in defaults)
     assert "exp" not in compose_config()  # without +exp=, nothing of conf/exp/ is composed
     assert compose_config("+exp=toy").name == "toy"
+
+
+def test_bf16_is_refused_where_a_gpu_is_older_than_ampere(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The parent reads each GPU's compute capability: torch.cuda.is_bf16_supported() says yes on a V100
+    (emulated), after putting a tensor on it. This host's GPUs are stood in for: two, the second a V100."""
+    capabilities = [(9, 0), (7, 0)]
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: len(capabilities))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: capabilities[device])
+    bf16_on_gpus = ("+exp=toy", "launcher.device=cuda", "precision=bf16")
+    with pytest.raises(ConfigError, match=r"^precision=bf16 needs an Ampere or newer GPU; use precision=fp16 here$"):
+        make_plan(compose_config(*bf16_on_gpus))
+    assert make_plan(compose_config(*bf16_on_gpus, "launcher.nproc_per_node=1")).device_type == "cuda"  # the H100 alone
+    capabilities[1] = (8, 0)  # an A100
+    assert make_plan(compose_config(*bf16_on_gpus)).nproc_per_node == 2

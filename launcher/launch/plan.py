@@ -78,7 +78,9 @@ def _shape(cfg: DictConfig) -> tuple[int, int, int, str]:
         raise ConfigError(f"launcher.nproc_per_node={nproc} but this node has {gpus} GPU(s); "
                           f"set launcher.nproc_per_node<={gpus}, or launcher.device=cpu for CPU workers")
     precision = getattr(cfg.precision.name, "value", cfg.precision.name)  # Enum when typed
-    if precision == "bf16" and not torch.cuda.is_bf16_supported():
+    # Compute capability, not torch.cuda.is_bf16_supported(): that counts emulation (True on a V100), and
+    # finds it out by putting a tensor on the GPU, a CUDA context this process would hold for the whole run.
+    if precision == "bf16" and min(torch.cuda.get_device_capability(i) for i in range(nproc)) < (8, 0):
         raise ConfigError("precision=bf16 needs an Ampere or newer GPU; use precision=fp16 here")
     return fewest, nnodes, nproc, "cuda"
 
