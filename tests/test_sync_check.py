@@ -11,9 +11,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from conftest import run_cli
-from launcher.train.sync_check import SyncCheck, host_side
+from launcher.train.sync_check import SyncCheck, host_side, unpinned_copy_target
 
 # steps 1-3 warm up; 6 and 12 log: 4, 5, 7, 8, 9, 10 and 11 are checked
 STEPS = ("train.max_steps=12", "train.log_every=6")
@@ -97,6 +98,26 @@ def test_what_the_check_finds_on_the_cpu() -> None:
     assert len(reported) == len(check.found) == 4 and all("test_sync_check.py:" in line for line in reported)
     # steps 7 and 8: step 8 watched again and again, as a step redone after running out of memory, is one step
     assert check.read() == {"host_syncs": len(reads), "checked_steps": 2}
+
+
+def test_a_non_blocking_copy_from_unpinned_memory_is_told_from_what_the_dispatcher_passes() -> None:
+    """What a CUDA run's check flags (tests/test_gpu.py copies to a GPU): the ops as torch's dispatcher hands
+    them over, here copies to the meta device. Blocking copies are torch's own check's; pinned memory (a
+    GPU build only) is the launcher's way."""
+    class Targets(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001 (torch's signature)
+            targets.append(unpinned_copy_target(func, args, kwargs or {}))
+            return func(*args, **(kwargs or {}))
+
+    x, on_meta, targets = torch.ones(8), torch.empty(8, device="meta"), []
+    with Targets():
+        x.to("meta", non_blocking=True)
+        on_meta.copy_(x, non_blocking=True)
+        x.to("meta")
+        on_meta.copy_(x)
+        x.to(torch.float64, non_blocking=True)  # stays on the host
+        (x * 2).sum()
+    assert targets == ["meta", "meta", None, None, None, None, None], targets
 
 
 def test_torch_s_own_cuda_warnings_are_placed_and_counted_and_others_pass(monkeypatch: pytest.MonkeyPatch) -> None:

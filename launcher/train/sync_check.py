@@ -5,8 +5,9 @@ whose output shape depends on the data (boolean-mask indexing, nonzero, unique) 
 GPU has caught up, so the next step's kernels are not queued while the GPU works. The check watches the
 steady steps (those that neither log, evaluate nor checkpoint, after the first few) through torch's
 dispatcher, so a CPU run (CI) finds these too. On CUDA, torch's own sync debug mode also catches what the
-dispatcher cannot see (a blocking copy between host and GPU). A CPU run cannot tell a tensor that a GPU
-run keeps on the host (the launcher marks its own reads of those host_side), nor see a copy to the GPU.
+dispatcher cannot see (a blocking copy between host and GPU), and the dispatcher sees a non_blocking copy
+from unpinned host memory, which CUDA may stage by waiting. A CPU run cannot tell a tensor that a GPU run
+keeps on the host (the launcher marks its own reads of those host_side), nor see a copy to the GPU.
 With train.compile=true the checked steps run the model eagerly: dynamo does not compile under a
 dispatcher hook. `warn` logs each place once and counts; `error` stops the run at the first one.
 Exercised by: tests/test_sync_check.py (gloo, real torchrun) and tests/test_gpu.py (CUDA).
@@ -42,6 +43,8 @@ SYNCING_OPS: dict[object, str] = {
     _aten.bincount.default: SHAPE_FROM_DATA,
 }
 BOOL_INDEXING = {_aten.index.Tensor, _aten.index_put.default, _aten.index_put_.default}
+UNPINNED_COPY = ("copies unpinned host memory to the GPU with non_blocking=True, which CUDA may stage by waiting "
+                 "for the GPU (and torch's own check does not see); pin the tensor first (.pin_memory())")
 # Tensor methods that copy to the host: free on the CPU, so the dispatcher never sees them there
 HOST_COPIES = {torch.Tensor.cpu: ".cpu()", torch.Tensor.tolist: ".tolist()", torch.Tensor.numpy: ".numpy()"}
 _TORCH_DIR = os.path.dirname(torch.__file__)
@@ -67,6 +70,21 @@ def _syncing_op(func: object, args: tuple, kwargs: dict) -> str | None:
     if func is _aten.repeat_interleave.Tensor and kwargs.get("output_size") is None:
         return f"repeat_interleave without output_size {SHAPE_FROM_DATA}"
     return None
+
+
+def unpinned_copy_target(func: object, args: tuple, kwargs: dict) -> str | None:
+    """The device type a non_blocking copy from pageable host memory goes to, if the op is one
+    (`.to(device, non_blocking=True)` reaches the dispatcher as _to_copy, `.copy_(src, True)` as copy_)."""
+    if func is _aten._to_copy.default:
+        source, target, non_blocking = args[0], kwargs.get("device"), kwargs.get("non_blocking", False)
+    elif func is _aten.copy_.default:
+        source, target = args[1], args[0].device
+        non_blocking = args[2] if len(args) > 2 else kwargs.get("non_blocking", False)
+    else:
+        return None
+    if not non_blocking or target is None or source.device.type != "cpu" or source.is_pinned():
+        return None
+    return torch.device(target).type
 
 
 def where_called(frames: traceback.StackSummary | None = None) -> str:
@@ -149,6 +167,8 @@ class _DispatchWatch(TorchDispatchMode):
         what = _syncing_op(func, args, kwargs)
         if self.cuda and what and not any(isinstance(a, torch.Tensor) and a.is_cuda for a in args):
             what = None  # host tensors in a CUDA run: no GPU to wait for
+        if self.cuda and not what and unpinned_copy_target(func, args, kwargs) == "cuda":
+            what = UNPINNED_COPY
         if not what:
             return func(*args, **kwargs)
         self.found(f"{what} [{func}]")
