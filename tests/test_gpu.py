@@ -17,7 +17,7 @@ from omegaconf import OmegaConf
 
 from conftest import read_metrics, run_cli
 from test_distributed_math import assert_params_close, probe, train_cli
-from test_resume import SLOW, bitwise_equal, finish, sample_stream, start, wait_until, weights, worker_pid
+from test_resume import DROPOUT, SLOW, bitwise_equal, finish, sample_stream, start, wait_until, weights, worker_pid
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: torch sees none")]
@@ -121,17 +121,22 @@ def test_a_gpu_read_in_the_forward_is_counted_once_per_read(tmp_path: Path) -> N
 def test_torch_s_own_sync_check_is_ours_on_cuda() -> None:
     """What only CUDA's sync debug mode sees (blocking copies to and from the GPU) is counted and placed at
     this file's line with warn, and is one line of ours with error; a device read the dispatcher counted
-    is not counted again."""
-    from launcher.train.sync_check import SyncCheck
+    is not counted again; a non_blocking copy is counted from unpinned memory only (the dispatcher's)."""
+    from launcher.train.sync_check import UNPINNED_COPY, SyncCheck
 
     device = torch.device("cuda", 0)
-    x, reported = torch.randn(8, device=device), []
+    x, pinned, reported = torch.randn(8, device=device), torch.ones(8).pin_memory(), []
     check = SyncCheck("warn", device)
     with check.watching(4, reported.append):
         x.cpu()  # a blocking copy to the host
         x.sum().item()  # the dispatcher's, counted once
         torch.ones(8).to(device)  # from pageable memory: the copy waits
-    assert check.syncs == 3 and len(reported) == 3, reported
+        torch.ones(8).to(device, non_blocking=True)  # may wait all the same, unseen by torch's check
+        x.copy_(torch.ones(8), non_blocking=True)
+        pinned.to(device, non_blocking=True)  # the launcher's way: no wait, not counted
+        x.copy_(pinned, non_blocking=True)
+    assert check.syncs == 5 and len(reported) == 5, reported
+    assert sum(UNPINNED_COPY in line for line in reported) == 2, reported
     assert all(line.startswith("warning: step 4 waits for the GPU: ") and "test_gpu.py:" in line for line in reported)
     with pytest.raises(RuntimeError, match=r"^step 5 waits for the GPU: .*test_gpu\.py:\d+ .*synchronizes"):
         with SyncCheck("error", device).watching(5, reported.append):
@@ -148,39 +153,44 @@ def test_compile_on_cuda_trains(tmp_path: Path) -> None:
 
 def test_cuda_graph_mode_captures_every_graph_and_trains_like_the_default_mode(tmp_path: Path) -> None:
     """train.compile_mode=reduce-overhead with one micro-batch per step (the parent refuses accumulation):
-    inductor skips no CUDA graph, and the losses are those of compile's default mode (the same kernels)."""
+    inductor skips no CUDA graph, step 30's trace replays graphs, and the losses are those of compile's
+    default mode (the same kernels)."""
     one_micro_batch = ("+exp=toy", *ONE_GPU, "train.compile=true", "train.micro_batch_size=32", "train.max_steps=40",
                        "train.log_every=5")
     losses = {}
-    for mode in ("default", "reduce-overhead"):
+    for mode, profiled in (("default", ()), ("reduce-overhead", ("train.profile=[30,30]",))):
         (tmp_path / mode).mkdir()
-        steps = [m for m in read_metrics(run_ok(tmp_path / mode, *one_micro_batch, f"train.compile_mode={mode}"))
-                 if "loss" in m]
-        if mode == "reduce-overhead":  # every graph captured: not one skip
+        run_dir = run_ok(tmp_path / mode, *one_micro_batch, f"train.compile_mode={mode}", *profiled)
+        steps = [m for m in read_metrics(run_dir) if "loss" in m]
+        if mode == "reduce-overhead":  # every graph captured (not one skip), and replayed
             assert all(m["cudagraph_skips"] == 0 for m in steps)
+            trace = json.loads(next((run_dir / "profile").glob("*.pt.trace.json")).read_text())
+            assert any(event.get("name") == "cudaGraphLaunch" for event in trace["traceEvents"])
         losses[mode] = [m["loss"] for m in steps]
     assert losses["reduce-overhead"] == pytest.approx(losses["default"], rel=1e-4)
 
 
 def test_loader_processes_hand_over_pinned_windows(tmp_path: Path) -> None:
-    """On CUDA the loader pins each window (so the copy to the GPU can be non_blocking)."""
+    """On CUDA the loader pins each window (so the copy to the GPU can be non_blocking), in its own processes
+    and in the rank's (train.num_workers=0, the default)."""
     from jobs.toy import ToyRegression
     from launcher.train.data import DataPlan, StepWindows, window_loader
 
     task = ToyRegression(n_samples=64, n_eval=0)
     windows = StepWindows(task, DataPlan(64, 16, 0, False), rank=0, world_size=1, grad_accum_steps=2)
-    for window in window_loader(windows, range(3), num_workers=2, pin_memory=True):
-        assert all(t.is_pinned() for batch in window.micro_batches for t in batch.values())
+    for num_workers in (0, 2):
+        for window in window_loader(windows, range(3), num_workers=num_workers, pin_memory=True):
+            assert all(t.is_pinned() for batch in window.micro_batches for t in batch.values())
     run_ok(tmp_path, "+exp=toy", *ONE_GPU, "train.num_workers=2", "train.max_steps=20")
 
 
 def test_kill_and_resume_on_cuda_is_bitwise_exact(tmp_path: Path) -> None:
     """SIGKILL the only worker after a checkpoint: torchrun restarts it, it resumes (CUDA RNG of its own
-    device included) and ends bitwise equal to an uninterrupted run."""
+    device included: dropout draws from it in every forward) and ends bitwise equal to an uninterrupted run."""
     reference = tmp_path / "reference"
-    finish(start(reference, *ONE_GPU), 0)
+    finish(start(reference, *ONE_GPU, *DROPOUT), 0)
     killed = tmp_path / "killed"
-    proc = start(killed, *ONE_GPU, *SLOW, "launcher.max_restarts=1")
+    proc = start(killed, *ONE_GPU, *DROPOUT, *SLOW, "launcher.max_restarts=1")
     wait_until(lambda: (killed / "checkpoints" / "40" / "COMPLETE").exists())
     time.sleep(0.1)
     os.kill(worker_pid(proc.pid, rank=0), signal.SIGKILL)
