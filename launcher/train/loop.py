@@ -76,11 +76,18 @@ def evaluate(run: Run) -> dict[str, float]:
     module.eval()
     keys = run.task.eval_sum_keys
     sums = torch.zeros(len(keys), dtype=torch.float64, device=run.env.device)
+    host_sums = [0.0] * len(keys)  # float64 too
     for batch in eval_batches(run.task, run.env.rank, run.env.world_size, run.micro_batch_size):
         with run.precision.autocast():
             batch_sums = run.task.eval_sums(module, to_device(batch, run.env.device))
-        # A job may count on the CPU and sum on the GPU (len() -> torch.tensor): bring all to the sums'.
-        sums += torch.stack([torch.as_tensor(batch_sums[k]).to(sums) for k in keys])
+        # A job may count on the CPU (len() -> torch.tensor) and sum on the GPU: each adds up where it is, as
+        # a copy of a host value to the GPU per batch would make the host wait for the GPU each time.
+        for i, value in enumerate(batch_sums[k] for k in keys):
+            if isinstance(value, torch.Tensor) and value.device.type != "cpu":
+                sums[i] += value
+            else:
+                host_sums[i] += float(value)
+    sums += torch.tensor(host_sums, dtype=torch.float64).to(sums.device)
     all_reduce_sum(sums)
     module.train()
     return run.task.eval_metrics(dict(zip(keys, sums.tolist())))
