@@ -135,6 +135,7 @@ def test_torch_s_own_sync_check_is_ours_on_cuda() -> None:
         x.copy_(torch.ones(8), non_blocking=True)
         pinned.to(device, non_blocking=True)  # the launcher's way: no wait, not counted
         x.copy_(pinned, non_blocking=True)
+        torch.ones(0).to(device, non_blocking=True)  # nothing to copy (an MLM batch with no masked token)
     assert check.syncs == 5 and len(reported) == 5, reported
     assert sum(UNPINNED_COPY in line for line in reported) == 2, reported
     assert all(line.startswith("warning: step 4 waits for the GPU: ") and "test_gpu.py:" in line for line in reported)

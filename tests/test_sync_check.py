@@ -116,8 +116,9 @@ def test_a_non_blocking_copy_from_unpinned_memory_is_told_from_what_the_dispatch
         x.to("meta")
         on_meta.copy_(x)
         x.to(torch.float64, non_blocking=True)  # stays on the host
+        torch.ones(0).to("meta", non_blocking=True)  # nothing to copy (an MLM batch with no masked token)
         (x * 2).sum()
-    assert targets == ["meta", "meta", None, None, None, None, None], targets
+    assert targets == ["meta", "meta", None, None, None, None, None, None, None], targets
 
 
 def test_torch_s_own_cuda_warnings_are_placed_and_counted_and_others_pass(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -82,7 +82,8 @@ def unpinned_copy_target(func: object, args: tuple, kwargs: dict) -> str | None:
         non_blocking = args[2] if len(args) > 2 else kwargs.get("non_blocking", False)
     else:
         return None
-    if not non_blocking or target is None or source.device.type != "cpu" or source.is_pinned():
+    # An empty tensor has no memory to pin (is_pinned() is False), and copying nothing waits for nothing.
+    if not non_blocking or target is None or source.device.type != "cpu" or not source.numel() or source.is_pinned():
         return None
     return torch.device(target).type
 
@@ -156,7 +157,8 @@ class SyncCheck:
 
 
 class _DispatchWatch(TorchDispatchMode):
-    """Every aten op, on any device: the reads of a value and the ops whose output shape needs the data."""
+    """Every aten op, on any device: the reads of a value and the ops whose output shape needs the data;
+    on CUDA also the non_blocking copies from unpinned host memory to the GPU."""
 
     def __init__(self, found: Callable[..., None], cuda: bool):
         super().__init__()
