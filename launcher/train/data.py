@@ -60,9 +60,13 @@ class Window:
     padding: bool = False  # this rank got no sample of a short window: one sample counted with weight 0
 
     def pin_memory(self) -> "Window":  # called by DataLoader(pin_memory=True) on CUDA
-        self.micro_batches = [{k: v.pin_memory() if isinstance(v, torch.Tensor) else v for k, v in b.items()}
-                              for b in self.micro_batches]
+        self.micro_batches = [pinned(b) for b in self.micro_batches]
         return self
+
+
+def pinned(batch: dict[str, Any]) -> dict[str, Any]:
+    """The batch's tensors in pinned host memory: a non_blocking copy to the GPU then never waits for it."""
+    return {k: v.pin_memory() if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
 
 
 class StepWindows(Dataset):
@@ -170,9 +174,10 @@ class WindowStream:
                 self.windows.grad_accum_steps, self._again = self._again, None
 
 
-def eval_batches(task: Task, rank: int, world_size: int, batch_size: int) -> Iterable[dict[str, Any]]:
-    """This rank's disjoint share of the eval set: no padding duplicates, so sums are exact."""
+def eval_batches(task: Task, rank: int, world_size: int, batch_size: int, pin: bool) -> Iterable[dict[str, Any]]:
+    """This rank's disjoint share of the eval set: no padding duplicates, so sums are exact (pinned on CUDA)."""
     assert task.eval_set is not None
     mine = rank_share(torch.arange(len(task.eval_set)), rank, world_size)
     for chunk in torch.split(mine, batch_size):
-        yield task.collate([task.eval_set[i] for i in chunk.tolist()])
+        batch = task.collate([task.eval_set[i] for i in chunk.tolist()])
+        yield pinned(batch) if pin else batch

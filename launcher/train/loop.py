@@ -74,20 +74,21 @@ def evaluate(run: Run) -> dict[str, float]:
         return {}
     module = run.module  # the bare module: DDP's forward could enter collectives unevenly here
     module.eval()
-    keys = run.task.eval_sum_keys
-    sums = torch.zeros(len(keys), dtype=torch.float64, device=run.env.device)
+    keys, device = run.task.eval_sum_keys, run.env.device
+    sums = torch.zeros(len(keys), dtype=torch.float64, device=device)
     host_sums = [0.0] * len(keys)  # float64 too
-    for batch in eval_batches(run.task, run.env.rank, run.env.world_size, run.micro_batch_size):
+    for batch in eval_batches(run.task, run.env.rank, run.env.world_size, run.micro_batch_size,
+                              pin=device.type == "cuda"):
         with run.precision.autocast():
-            batch_sums = run.task.eval_sums(module, to_device(batch, run.env.device))
+            batch_sums = run.task.eval_sums(module, to_device(batch, device))
         # A job may count on the CPU (len() -> torch.tensor) and sum on the GPU: each adds up where it is, as
         # a copy of a host value to the GPU per batch would make the host wait for the GPU each time.
         for i, value in enumerate(batch_sums[k] for k in keys):
-            if isinstance(value, torch.Tensor) and value.device.type != "cpu":
-                sums[i] += value
+            if isinstance(value, torch.Tensor) and value.device.type != "cpu":  # a copy between GPUs: no wait
+                sums[i] += value.to(device, non_blocking=True).reshape(())
             else:
                 host_sums[i] += float(value)
-    sums += torch.tensor(host_sums, dtype=torch.float64).to(sums.device)
+    sums += torch.tensor(host_sums, dtype=torch.float64).to(device)
     all_reduce_sum(sums)
     module.train()
     return run.task.eval_metrics(dict(zip(keys, sums.tolist())))
