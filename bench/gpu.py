@@ -80,7 +80,7 @@ def write_table(rows: list[dict], args: argparse.Namespace, gpus: int) -> list[s
              f"{gpus} x {name}; torch {torch.__version__}, CUDA {torch.version.cuda}; BERT-base (12 x 768, 12 heads, "
              f"seq 128, random tokens), micro-batch {args.micro}, accumulation {args.accum}, fused AdamW, clipping 1.0; "
              f"{args.rounds} interleaved rounds (launcher first, then raw first, ...) of {args.steps} steps, timed after "
-             f"step {args.log_every}"
+             f"step {2 * args.log_every}"
              f"{f'; compiled with mode {args.compile_mode}' if args.compile_mode else ''}"
              f"{'; compiled as one graph (no split at DDP buckets)' if args.no_ddp_split else ''}.\n",
              "| precision | mode | launcher samples/s | raw samples/s | ratio (median; per round) | MFU launcher / raw "
@@ -114,7 +114,7 @@ def main() -> None:
     parser.add_argument("--no-ddp-split", action="store_true", help="compiled rows as one graph on both sides")
     parser.add_argument("--out", type=Path, default=REPO / "bench" / "RESULTS-GPU.md")
     args = parser.parse_args()
-    if args.steps % args.log_every or args.steps < 3 * args.log_every:  # timed: the log intervals after the first
+    if args.log_every < 1 or args.steps % args.log_every or args.steps < 3 * args.log_every:  # timed: the log intervals after the first
         parser.error(f"--steps={args.steps} must be a multiple of --log-every={args.log_every}, at least 3 of them")
     gpus = torch.cuda.device_count()
     rows = []
