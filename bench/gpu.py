@@ -114,7 +114,8 @@ def main() -> None:
     parser.add_argument("--no-ddp-split", action="store_true", help="compiled rows as one graph on both sides")
     parser.add_argument("--out", type=Path, default=REPO / "bench" / "RESULTS-GPU.md")
     args = parser.parse_args()
-    if args.log_every < 1 or args.steps % args.log_every or args.steps < 3 * args.log_every:  # timed: the log intervals after the first
+    # The step time is the median over the log intervals after the first: at least two whole ones.
+    if args.log_every < 1 or args.steps % args.log_every or args.steps < 3 * args.log_every:
         parser.error(f"--steps={args.steps} must be a multiple of --log-every={args.log_every}, at least 3 of them")
     gpus = torch.cuda.device_count()
     rows = []
