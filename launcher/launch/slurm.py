@@ -23,8 +23,9 @@ from launcher.launch.environment import record_slurm_job
 from launcher.launch.local import c10d_rendezvous, run_agent, torchrun_args
 from launcher.launch.plan import Plan
 from launcher.preempt import PREEMPTED_FILE, REQUEUE_EXIT_CODE, read_preempted, signal_named
+from launcher.train.micro_batch import OUT_OF_MEMORY_EXIT_CODE
 
-REQUEUES_FILE = "requeues.json"  # how often preemption requeued this run; bounded by launcher.max_requeues
+REQUEUES_FILE = "requeues.json"  # how often the job requeued itself (preempted, out of memory); launcher.max_requeues
 JOB_FILE = "slurm.json"  # the job id and log dir, for `python -m launcher.launch.status`
 
 
@@ -112,14 +113,19 @@ class NodeTask(submitit.helpers.Checkpointable):
         host = os.environ.get("SLURM_LAUNCH_NODE_IPADDR") or env.hostnames[0]
         rendezvous = c10d_rendezvous(f"{host}:{rendezvous_port(env.job_id, restart)}", f"{env.job_id}-{restart}")
         code = run_agent(config_path, Plan(**cfg.plan), cfg.launcher, rendezvous)
-        if code == REQUEUE_EXIT_CODE:
+        if code in (REQUEUE_EXIT_CODE, OUT_OF_MEMORY_EXIT_CODE):
             # torchrun's handler outlives its agent and would turn the SIGTERM of Slurm's requeue into an
             # exception, i.e. a failed result; with the default action the task just ends and is requeued.
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            if code == OUT_OF_MEMORY_EXIT_CODE:
+                # train.micro_batch_size=auto ran out where a step cannot be redone, and micro_batch.json
+                # holds half the size: the next start resumes with it. The node whose rank ran out requeues
+                # (the other nodes' ranks fail in a collective and exit with another code).
+                requeue(run_dir, env.job_id, cfg.launcher.max_requeues, "ran out of memory")
             # launcher.signal is Slurm's warning before the time limit: requeue ourselves. SIGTERM comes
             # from Slurm's own requeue, a cancel, or the limit itself: checkpoint saved, Slurm decides.
-            if env.global_rank == 0 and read_preempted(run_dir)["signal"] != signal.SIGTERM:
-                requeue(run_dir, env.job_id, cfg.launcher.max_requeues)
+            elif env.global_rank == 0 and read_preempted(run_dir)["signal"] != signal.SIGTERM:
+                requeue(run_dir, env.job_id, cfg.launcher.max_requeues, "preempted")
             # No result file: the requeued job, not this attempt, reports the outcome.
             raise SystemExit(REQUEUE_EXIT_CODE)
         if code:
@@ -127,14 +133,16 @@ class NodeTask(submitit.helpers.Checkpointable):
         return 0
 
 
-def requeue(run_dir: Path, job_id: str, max_requeues: int) -> None:
+def requeue(run_dir: Path, job_id: str, max_requeues: int, why: str) -> None:
     """Put the job (the same array task) back in the queue; it resumes in the same run dir."""
     path = run_dir / REQUEUES_FILE
     count = json.loads(path.read_text())["count"] if path.exists() else 0
     if count >= max_requeues:
-        raise RuntimeError(f"preempted {count + 1} times (launcher.max_requeues={max_requeues}); the checkpoint "
+        raise RuntimeError(f"{why} after {count} requeues (launcher.max_requeues={max_requeues}); the checkpoint "
                            f"is kept: resubmit with hydra.run.dir={run_dir}")
     path.write_text(json.dumps({"count": count + 1}) + "\n")
+    print(f"requeued: {why}; job {job_id} resumes in {run_dir} (requeue {count + 1} of launcher.max_requeues="
+          f"{max_requeues})", file=sys.stderr, flush=True)
     subprocess.check_call(["scontrol", "requeue", job_id], timeout=60)
 
 
