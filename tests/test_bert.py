@@ -183,10 +183,11 @@ def test_dropout_is_on_from_the_first_step(tmp_path: Path, tiny_bert: Path) -> N
 
 
 def test_bert_mlm_default_loss_falls(tmp_path: Path) -> None:
-    """`+exp=bert_mlm` as it ships, for a third of its steps (CI's time): 8.13 -> 3.94 here, with dropout."""
-    out = run_cli("+exp=bert_mlm", "train.max_steps=40", cwd=tmp_path, timeout=600)
+    """`+exp=bert_mlm` as it ships, for its first 20 steps (CI's time): 8.14 -> 5.67 here, with dropout (3.86 at
+    step 40, 66 s instead of 42 alone)."""
+    out = run_cli("+exp=bert_mlm", "train.max_steps=20", cwd=tmp_path, timeout=600)
     assert out.returncode == 0, out.stderr[-4000:]
     (run_dir,) = (tmp_path / "runs" / "bert_mlm").iterdir()
     losses = [m["loss"] for m in read_metrics(run_dir) if "loss" in m]
-    assert losses[-1] < 0.6 * losses[0]
+    assert len(losses) == 2 and losses[-1] < 0.75 * losses[0]
     print(f"+exp=bert_mlm: loss {losses[0]:.2f} -> {losses[-1]:.2f}")
