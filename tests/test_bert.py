@@ -112,11 +112,11 @@ def test_largest_batch_holds_the_longest_samples(tiny_bert: Path) -> None:
         assert sorted(batch["attention_mask"].sum(1).tolist(), reverse=True) == lengths[:5]
 
 
-def test_eval_metrics_are_exact_for_1_2_and_3_ranks(tmp_path: Path, tiny_bert: Path) -> None:
-    """23 eval samples (divides by none of 2, 3): no padding duplicates, the same metrics everywhere."""
+def test_eval_metrics_are_exact_for_1_and_3_ranks(tmp_path: Path, tiny_bert: Path) -> None:
+    """23 eval samples (3 ranks hold 8, 8 and 7): no padding duplicates, the same metrics as on one rank."""
     common = (f"model.pretrained={tiny_bert}", "data.n_train=24", "data.n_eval=23",
               "train.global_batch_size=12", "train.micro_batch_size=2")
-    results = [probe(tmp_path / f"w{n}", n, "eval", *common, exp="bert")[0]["eval"] for n in (1, 2, 3)]
+    results = [probe(tmp_path / f"w{n}", n, "eval", *common, exp="bert")[0]["eval"] for n in (1, 3)]
     for result in results:
         assert result["accuracy"] * 23 == pytest.approx(round(result["accuracy"] * 23), abs=1e-9)
         assert (result["accuracy"], result["f1"]) == (results[0]["accuracy"], results[0]["f1"])
