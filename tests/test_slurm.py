@@ -165,28 +165,30 @@ def test_preempted_or_requeued_job_resumes_in_the_same_run_dir(cluster, tmp_path
 
 
 def test_out_of_memory_past_a_redo_requeues_the_job_at_half_the_micro_batch(cluster, tmp_path: Path) -> None:
-    """train.micro_batch_size=auto under Slurm: rank 1 runs out of memory in the backward that holds step 9's
-    all-reduce (no accumulation), so the workers exit with 76. The job requeues itself, with no resubmission,
-    resumes from step 8 at micro-batch 4, and ends with the weights of a local run that never ran out (float64)."""
+    """train.micro_batch_size=auto on 2 nodes x 2 workers: rank 3 runs out of memory in the backward that holds
+    step 9's all-reduce (no accumulation), so its workers exit with 76, and the other node's fail in the
+    all-reduce. The node that ran out requeues the job, with no resubmission; it resumes from step 8 at
+    micro-batch 2 and ends with the weights of a local world of 4 that never ran out (float64)."""
     shape = ("+exp=toy", "model.dtype=float64", "data.dtype=float64", "train.max_steps=12", "train.log_every=1",
-             "train.eval_every=0", "train.ckpt_every=4", "train.global_batch_size=16")  # 8 per rank
+             "train.eval_every=0", "train.ckpt_every=4", "train.global_batch_size=16")  # 4 per rank
     reference = tmp_path / "local"
-    out = run_cli(*shape, "train.micro_batch_size=8", f"hydra.run.dir={reference}", cwd=tmp_path)
+    out = run_cli(*shape, "launcher.nproc_per_node=4", "train.micro_batch_size=4", f"hydra.run.dir={reference}",
+                  cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     run_dir = tmp_path / "run"
-    out = run_cli(*shape, "launcher=slurm", "launcher.wait=true", "train.micro_batch_size=auto", "data.oom_rank=1",
-                  "data.oom_max_items=4", "data.oom_from_call=10", "data.oom_in_backward=true",
+    out = run_cli(*shape, "launcher=slurm", "launcher.nodes=2", "launcher.wait=true", "train.micro_batch_size=auto",
+                  "data.oom_rank=3", "data.oom_max_items=2", "data.oom_from_call=10", "data.oom_in_backward=true",
                   f"hydra.run.dir={run_dir}", cwd=tmp_path)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     ((job, _),) = submitted(out.stdout).items()
     assert final_state(job) == "COMPLETED"
     log = "".join(p.read_text() for p in sorted((run_dir / "slurm").glob("*_log.*")))
-    assert "rank 1 ran out of memory in or after the gradient all-reduce of step 9" in log, log[-3000:]
-    assert f"requeued: ran out of memory; job {job} resumes in {run_dir} (requeue 1 of launcher.max_requeues=3)" in log
-    assert "resumed from step 8" in log
+    assert "rank 3 ran out of memory in or after the gradient all-reduce of step 9" in log, log[-3000:]
+    requeued = f"requeued: ran out of memory; job {job} resumes in {run_dir} (requeue 1 of launcher.max_requeues=3)"
+    assert log.count(requeued) == 1 and "resumed from step 8" in log
     assert json.loads((run_dir / "requeues.json").read_text()) == {"count": 1}
     sizes = {m["step"]: m["micro_batch_size"] for m in read_metrics(run_dir) if "loss" in m}
-    assert sizes == {step: 8 if step <= 8 else 4 for step in range(1, 13)}
+    assert sizes == {step: 4 if step <= 8 else 2 for step in range(1, 13)}
     final = [load_file(d / "checkpoints" / "12" / "model.safetensors") for d in (run_dir, reference)]
     assert final[0].keys() == final[1].keys()
     for key in final[0]:

@@ -119,8 +119,9 @@ class NodeTask(submitit.helpers.Checkpointable):
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
             if code == OUT_OF_MEMORY_EXIT_CODE:
                 # train.micro_batch_size=auto ran out where a step cannot be redone, and micro_batch.json
-                # holds half the size: the next start resumes with it. The node whose rank ran out requeues
-                # (the other nodes' ranks fail in a collective and exit with another code).
+                # holds half the size: the next start resumes with it. The node whose rank ran out requeues;
+                # the other nodes' ranks fail in a collective, and their tasks' error results are overwritten
+                # by the requeued attempt's (submitit waits for every task's result).
                 requeue(run_dir, env.job_id, cfg.launcher.max_requeues, "ran out of memory")
             # launcher.signal is Slurm's warning before the time limit: requeue ourselves. SIGTERM comes
             # from Slurm's own requeue, a cancel, or the limit itself: checkpoint saved, Slurm decides.
