@@ -166,4 +166,5 @@ def test_slurm_dependency_and_after_reach_sbatch(tmp_path: Path) -> None:
                   "launcher.dependency=afterany:17", f"hydra.run.dir={tmp_path / 'second'}", cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     params = json.loads(out.stdout.split("executor parameters: ", 1)[1].splitlines()[0])
-    assert params["additional_parameters"] == {"dependency": "afterany:17,afterok:4242_1", "kill_on_invalid_dep": "yes"}
+    assert params["additional_parameters"] == {"dependency": "afterany:17,afterok:4242_1", "kill_on_invalid_dep": "yes",
+                                               "requeue": True}  # see test_slurm.py: the test cluster has JobRequeue=0
