@@ -184,6 +184,7 @@ def test_out_of_memory_past_a_redo_requeues_the_job_at_half_the_micro_batch(clus
     assert final_state(job) == "COMPLETED"
     log = "".join(p.read_text() for p in sorted((run_dir / "slurm").glob("*_log.*")))
     assert "rank 3 ran out of memory in or after the gradient all-reduce of step 9" in log, log[-3000:]
+    assert "(a launcher=slurm job requeues itself)" in log
     requeued = f"requeued: ran out of memory; job {job} resumes in {run_dir} (requeue 1 of launcher.max_requeues=3)"
     assert log.count(requeued) == 1 and "resumed from step 8" in log
     assert json.loads((run_dir / "requeues.json").read_text()) == {"count": 1}

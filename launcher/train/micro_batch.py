@@ -267,7 +267,8 @@ def exit_out_of_memory(run: Run, error: torch.OutOfMemoryError) -> NoReturn:
         message = (f"{where} with micro-batch {run.micro_batch_size}, where a step cannot be redone; the next start "
                    f"resumes from the last checkpoint with micro-batch {smaller}" +
                    (" (torchrun restarts now)" if restarts_left > 0 else
-                    f": relaunch with hydra.run.dir={run.run_dir}, or set launcher.max_restarts>=1"))
+                    f": relaunch with hydra.run.dir={run.run_dir} (a launcher=slurm job requeues itself), or set "
+                    f"launcher.max_restarts>=1"))
     get_error_handler().record_exception(RuntimeError(message))  # the launcher's error line reads it
     sys.stdout.flush()
     sys.stderr.flush()
