@@ -71,3 +71,14 @@ def test_bf16_is_refused_where_a_gpu_is_older_than_ampere(monkeypatch: pytest.Mo
     assert make_plan(compose_config(*bf16_on_gpus, "launcher.nproc_per_node=1")).device_type == "cuda"  # the H100 alone
     capabilities[1] = (8, 0)  # an A100
     assert make_plan(compose_config(*bf16_on_gpus)).nproc_per_node == 2
+
+
+@pytest.mark.parametrize("given", [None, "no_requeue", "no-requeue", "requeue"])
+def test_slurm_jobs_are_requeueable_unless_the_user_says_otherwise(given: str | None) -> None:
+    """sbatch --requeue by default (a site's JobRequeue=0 would make the job's own requeue fail: test_slurm.py
+    runs on such a cluster); the user's own requeue choice in launcher.additional_parameters, either spelling, wins."""
+    from launcher.launch.slurm import executor_parameters
+    own = [f"+launcher.additional_parameters.{given}=true"] if given else []
+    cfg = compose_config("+exp=toy", "launcher=slurm", *own)
+    params = executor_parameters(OmegaConf.to_container(cfg.launcher), make_plan(cfg), "toy")
+    assert params["additional_parameters"] == {given or "requeue": True}

@@ -78,8 +78,8 @@ def executor_parameters(launcher: dict[str, Any], plan: Plan, job_name: str) -> 
     # Requeue=1 whatever the site's default: with JobRequeue=0 a job's `scontrol requeue` of itself (after the
     # preemption warning, or running out of memory) fails, "Requested operation is presently disabled".
     # Slurm then also requeues the job after a node failure; it resumes from the latest checkpoint.
-    if "no_requeue" not in extra:
-        extra.setdefault("requeue", True)
+    if not {"requeue", "no_requeue", "no-requeue"} & set(extra):  # the user's own choice, either spelling
+        extra["requeue"] = True
     after = dependency(launcher)
     if after:  # a job whose dependency can never be met (the first job failed) is cancelled, not left pending
         extra.update({"dependency": after, "kill_on_invalid_dep": "yes"})
