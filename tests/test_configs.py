@@ -73,12 +73,15 @@ def test_bf16_is_refused_where_a_gpu_is_older_than_ampere(monkeypatch: pytest.Mo
     assert make_plan(compose_config(*bf16_on_gpus)).nproc_per_node == 2
 
 
-@pytest.mark.parametrize("given", [None, "no_requeue", "no-requeue", "requeue"])
-def test_slurm_jobs_are_requeueable_unless_the_user_says_otherwise(given: str | None) -> None:
+@pytest.mark.parametrize("given, sbatch", [(None, "requeue"), ("no_requeue=true", "no_requeue"),
+                                           ("no-requeue=true", "no-requeue"), ("requeue=true", "requeue"),
+                                           ("requeue=false", "no_requeue")])
+def test_slurm_jobs_are_requeueable_unless_the_user_says_otherwise(given: str | None, sbatch: str) -> None:
     """sbatch --requeue by default (a site's JobRequeue=0 would make the job's own requeue fail: test_slurm.py
-    runs on such a cluster); the user's own requeue choice in launcher.additional_parameters, either spelling, wins."""
+    runs on such a cluster); the user's own requeue choice in launcher.additional_parameters, either spelling, wins,
+    and requeue=false becomes --no-requeue (sbatch refuses --requeue=False)."""
     from launcher.launch.slurm import executor_parameters
-    own = [f"+launcher.additional_parameters.{given}=true"] if given else []
+    own = [f"+launcher.additional_parameters.{given}"] if given else []
     cfg = compose_config("+exp=toy", "launcher=slurm", *own)
     params = executor_parameters(OmegaConf.to_container(cfg.launcher), make_plan(cfg), "toy")
-    assert params["additional_parameters"] == {given or "requeue": True}
+    assert params["additional_parameters"] == {sbatch: True}

@@ -196,6 +196,14 @@ def test_out_of_memory_past_a_redo_requeues_the_job_at_half_the_micro_batch(clus
         torch.testing.assert_close(final[0][key], final[1][key], rtol=1e-10, atol=0)
 
 
+def test_one_node_claims_the_requeue_of_an_attempt(tmp_path: Path) -> None:
+    """Several nodes can run out of memory in one attempt (in eval, every rank alike): one requeues it, so the
+    count in requeues.json goes up by one and no second `scontrol requeue` fails. The next attempt has its own."""
+    from launcher.launch.slurm import first_to_requeue
+    assert [first_to_requeue(tmp_path, "17_3", 0) for _ in range(3)] == [True, False, False]
+    assert first_to_requeue(tmp_path, "17_3", 1) and first_to_requeue(tmp_path, "18", 0)
+
+
 def test_dry_run_prints_the_plan_and_submits_nothing(cluster, tmp_path: Path) -> None:
     """Issue 5 test 5."""
     before = subprocess.run(["sacct", "-n", "-X", "-o", "JobID"], capture_output=True, text=True).stdout

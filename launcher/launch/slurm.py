@@ -78,6 +78,9 @@ def executor_parameters(launcher: dict[str, Any], plan: Plan, job_name: str) -> 
     # Requeue=1 whatever the site's default: with JobRequeue=0 a job's `scontrol requeue` of itself (after the
     # preemption warning, or running out of memory) fails, "Requested operation is presently disabled".
     # Slurm then also requeues the job after a node failure; it resumes from the latest checkpoint.
+    if extra.get("requeue") is False:  # submitit would write --requeue=False, which sbatch refuses
+        del extra["requeue"]
+        extra["no_requeue"] = True
     if not {"requeue", "no_requeue", "no-requeue"} & set(extra):  # the user's own choice, either spelling
         extra["requeue"] = True
     after = dependency(launcher)
@@ -111,6 +114,9 @@ class NodeTask(submitit.helpers.Checkpointable):
         run_dir, cfg = config_path.parent, OmegaConf.load(config_path)
         env = submitit.JobEnvironment()
         restart = int(os.environ.get("SLURM_RESTART_COUNT", 0))
+        if restart:  # submitit counts a task done once its result file is there: an earlier attempt's error
+            # (this node's ranks failed when another node's ran out of memory) would read as this attempt's
+            env.paths.result_pickle.unlink(missing_ok=True)
         if env.global_rank == 0:
             (run_dir / PREEMPTED_FILE).unlink(missing_ok=True)  # from the attempt before a requeue
             record_slurm_job(run_dir)  # job id, node list, requeue count: for a bug report
@@ -124,10 +130,10 @@ class NodeTask(submitit.helpers.Checkpointable):
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
             if code == OUT_OF_MEMORY_EXIT_CODE:
                 # train.micro_batch_size=auto ran out where a step cannot be redone, and micro_batch.json
-                # holds half the size: the next start resumes with it. The node whose rank ran out requeues;
-                # the other nodes' ranks fail in a collective, and their tasks' error results are overwritten
-                # by the requeued attempt's (submitit waits for every task's result).
-                requeue(run_dir, env.job_id, cfg.launcher.max_requeues, "ran out of memory")
+                # holds half the size: the next start resumes with it. A node whose rank ran out requeues (the
+                # other nodes' ranks fail in a collective), once per attempt when several did (in eval, alike).
+                if first_to_requeue(env.paths.folder, env.job_id, restart):
+                    requeue(run_dir, env.job_id, cfg.launcher.max_requeues, "ran out of memory")
             # launcher.signal is Slurm's warning before the time limit: requeue ourselves. SIGTERM comes
             # from Slurm's own requeue, a cancel, or the limit itself: checkpoint saved, Slurm decides.
             elif env.global_rank == 0 and read_preempted(run_dir)["signal"] != signal.SIGTERM:
@@ -137,6 +143,16 @@ class NodeTask(submitit.helpers.Checkpointable):
         if code:
             raise RuntimeError(f"node {env.node} of job {env.job_id} failed with exit code {code}; see {run_dir}")
         return 0
+
+
+def first_to_requeue(folder: Path, job_id: str, restart: int) -> bool:
+    """Whether this node is the first to claim the requeue of this attempt: an exclusive create, atomic on the
+    shared storage of a cluster too (NFS included), in the job's submitit folder."""
+    try:
+        os.close(os.open(folder / f"{job_id}_requeue_{restart}", os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+        return False
+    return True
 
 
 def requeue(run_dir: Path, job_id: str, max_requeues: int, why: str) -> None:
