@@ -12,6 +12,9 @@ from pathlib import Path
 from types import FrameType
 
 REQUEUE_EXIT_CODE = 75  # EX_TEMPFAIL: "preempted, checkpoint saved, requeue me"
+# The other exit code that asks for a new start (launcher/train/micro_batch.py): train.micro_batch_size=auto ran
+# out of memory where a step cannot be redone, and the next start halves the micro-batch (Slurm: a requeue)
+OUT_OF_MEMORY_EXIT_CODE = 76
 PREEMPTED_FILE = "preempted.json"  # written by rank 0 after the preemption checkpoint
 
 

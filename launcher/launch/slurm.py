@@ -22,8 +22,8 @@ from launcher.derived import ConfigError
 from launcher.launch.environment import record_slurm_job
 from launcher.launch.local import c10d_rendezvous, run_agent, torchrun_args
 from launcher.launch.plan import Plan
-from launcher.preempt import PREEMPTED_FILE, REQUEUE_EXIT_CODE, read_preempted, signal_named
-from launcher.train.micro_batch import OUT_OF_MEMORY_EXIT_CODE
+from launcher.preempt import (OUT_OF_MEMORY_EXIT_CODE, PREEMPTED_FILE, REQUEUE_EXIT_CODE, read_preempted,
+                              signal_named)
 
 REQUEUES_FILE = "requeues.json"  # how often the job requeued itself (preempted, out of memory); launcher.max_requeues
 JOB_FILE = "slurm.json"  # the job id and log dir, for `python -m launcher.launch.status`

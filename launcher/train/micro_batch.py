@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors.handlers import get_error_handler
 
+from launcher.preempt import OUT_OF_MEMORY_EXIT_CODE
 from launcher.rundir import write_atomically
 from launcher.task import Task, to_device
 from launcher.train.dist import all_gather_objects
@@ -30,7 +31,6 @@ if TYPE_CHECKING:
 
 MICRO_BATCH_FILE = "micro_batch.json"  # the auto size in force: a restart or a resume goes on with it
 HEADROOM = 0.10  # the probe leaves this share of the GPU free: fragmentation, longer batches, NCCL buffers
-OUT_OF_MEMORY_EXIT_CODE = 76  # auto ran out of memory where a step cannot be redone: the next start halves
 SMALLER = "use a smaller model, shorter inputs (data.max_length for text) or a lower precision"
 
 
