@@ -11,6 +11,7 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
+from safetensors.torch import load_file
 
 from launcher.launch.plan import make_plan, resolve, write_config
 from launcher.schema import register
@@ -68,6 +69,15 @@ def run_torchrun(nproc: int, script: Path, *args: str, timeout: float = 300) -> 
 
 def read_metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def assert_same_float64_weights(a: Path, b: Path, step: int) -> None:
+    """Two float64 runs' checkpointed weights at `step` agree but for summation order (rtol 1e-10)."""
+    wa, wb = (load_file(d / "checkpoints" / str(step) / "model.safetensors") for d in (a, b))
+    assert wa.keys() == wb.keys()
+    for key in wa:
+        assert wa[key].dtype == torch.float64
+        torch.testing.assert_close(wa[key], wb[key], rtol=1e-10, atol=0)
 
 
 # The files that take longest run first, longest first (120-400 s each with both of CI's 2 cores busy):

@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import read_metrics, run_cli
+from conftest import assert_same_float64_weights, read_metrics, run_cli
 from launcher.rundir import complete_steps
 from launcher.train.micro_batch import MICRO_BATCH_FILE, OUT_OF_MEMORY_EXIT_CODE, halved, sizes_to_try
 
@@ -39,13 +39,6 @@ def launch(run_dir: Path, *overrides: str, expect: int = 0) -> str:
 def weights(run_dir: Path, step: int = STEPS) -> dict[str, torch.Tensor]:
     return load_file(run_dir / "checkpoints" / str(step) / "model.safetensors")
 
-
-def assert_same_weights(a: Path, b: Path) -> None:
-    wa, wb = weights(a), weights(b)
-    assert wa.keys() == wb.keys()
-    for key in wa:
-        assert wa[key].dtype == torch.float64
-        torch.testing.assert_close(wa[key], wb[key], rtol=1e-10, atol=0)
 
 
 def per_step(run_dir: Path, key: str) -> list:
@@ -83,7 +76,7 @@ def test_probe_takes_the_largest_size_that_fits_on_every_rank(tmp_path: Path, fi
     summary = json.loads((run_dir / "summary.json").read_text())
     assert (summary["micro_batch_size"], summary["grad_accum_steps"]) == (4, 4)
     assert json.loads((run_dir / MICRO_BATCH_FILE).read_text())["micro_batch_size"] == 4
-    assert_same_weights(run_dir, fixed[4])
+    assert_same_float64_weights(run_dir, fixed[4], STEPS)
 
 
 def test_running_out_mid_run_redoes_the_step_on_every_rank(tmp_path: Path, fixed) -> None:
@@ -99,8 +92,8 @@ def test_running_out_mid_run_redoes_the_step_on_every_rank(tmp_path: Path, fixed
     assert samples(run_dir) == samples(fixed[8])
     assert per_step(run_dir, "lr") == per_step(fixed[8], "lr")
     assert per_step(run_dir, "skipped_steps")[-1] == 0
-    assert_same_weights(run_dir, fixed[8])
-    assert_same_weights(run_dir, fixed[4])
+    assert_same_float64_weights(run_dir, fixed[8], STEPS)
+    assert_same_float64_weights(run_dir, fixed[4], STEPS)
 
     # A resume keeps the halved size, from the checkpoint alone (without the run dir's record)
     (run_dir / MICRO_BATCH_FILE).unlink()
@@ -184,7 +177,7 @@ def test_out_of_memory_inside_the_all_reduce_exits_and_the_next_start_halves(tmp
     assert "resumed from step 8" in log and f"kept from {MICRO_BATCH_FILE}: {where}" in log
     assert per_step(run_dir, "micro_batch_size") == [8] * 8 + [4] * (STEPS - 8)
     assert samples(run_dir) == samples(reference)
-    assert_same_weights(run_dir, reference)
+    assert_same_float64_weights(run_dir, reference, STEPS)
 
 
 def test_out_of_memory_in_eval_exits_and_the_relaunch_evaluates_in_halves(tmp_path: Path, fixed) -> None:
@@ -204,4 +197,4 @@ def test_out_of_memory_in_eval_exits_and_the_relaunch_evaluates_in_halves(tmp_pa
     assert "resumed from step 4" in log
     assert per_step(run_dir, "micro_batch_size") == [8] * 4 + [4] * (STEPS - 4)
     assert [m["step"] for m in read_metrics(run_dir) if "eval" in m] == [8, STEPS]
-    assert_same_weights(run_dir, fixed[8])
+    assert_same_float64_weights(run_dir, fixed[8], STEPS)

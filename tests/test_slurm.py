@@ -16,7 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import REPO, read_metrics, run_cli, subprocess_env
+from conftest import REPO, assert_same_float64_weights, read_metrics, run_cli, subprocess_env
 from launcher.launch.status import slurm_state
 
 pytestmark = pytest.mark.slow
@@ -190,10 +190,7 @@ def test_out_of_memory_past_a_redo_requeues_the_job_at_half_the_micro_batch(clus
     assert json.loads((run_dir / "requeues.json").read_text()) == {"count": 1}
     sizes = {m["step"]: m["micro_batch_size"] for m in read_metrics(run_dir) if "loss" in m}
     assert sizes == {step: 4 if step <= 8 else 2 for step in range(1, 13)}
-    final = [load_file(d / "checkpoints" / "12" / "model.safetensors") for d in (run_dir, reference)]
-    assert final[0].keys() == final[1].keys()
-    for key in final[0]:
-        torch.testing.assert_close(final[0][key], final[1][key], rtol=1e-10, atol=0)
+    assert_same_float64_weights(run_dir, reference, 12)
 
 
 def test_one_node_claims_the_requeue_of_an_attempt(tmp_path: Path) -> None:
