@@ -4,6 +4,7 @@ Exercised by: `python -m launcher +exp=bert` and `python -m launcher +exp=bert_m
 """
 from __future__ import annotations
 
+import copy
 import os
 from pathlib import Path
 from typing import Any
@@ -14,7 +15,7 @@ import transformers
 from transformers import (AutoConfig, AutoModelForSequenceClassification, AutoTokenizer, BertForMaskedLM,
                           DataCollatorForTokenClassification, DataCollatorWithPadding)
 
-from jobs.attention import model_inputs, use_sdpa_unmasked
+from jobs.attention import hf_model, model_inputs, use_sdpa_unmasked
 from jobs.text import GLUE_FIELDS, corpus_lines, load_file_rows, load_hub_rows, sentiment_rows
 
 transformers.utils.logging.disable_progress_bar()
@@ -95,6 +96,16 @@ def _fp32(logits: torch.Tensor) -> torch.Tensor:
     return logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
 
 
+def _save_pretrained_files(model: torch.nn.Module, tokenizer: Any, directory: Path) -> None:
+    """config.json and the tokenizer beside a checkpoint's model.safetensors: from_pretrained loads it as any
+    save_pretrained dir. The architecture named is transformers' own class (BertMaskedLMSum's: BertForMaskedLM)."""
+    hf = hf_model(model)
+    config = copy.deepcopy(hf.config)
+    config.architectures = [next(c.__name__ for c in type(hf).__mro__ if c.__module__.startswith("transformers."))]
+    config.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+
+
 def _mark_padding(batch: Any) -> Any:
     batch["padded"] = not bool(batch["attention_mask"].all())  # a CPU tensor here: no sync
     return batch
@@ -160,6 +171,9 @@ class TextClassification:
 
     def largest_batch(self, size: int) -> dict[str, torch.Tensor]:
         return self.collate(_longest(self.train_set, size))
+
+    def write_model_files(self, model: torch.nn.Module, directory: Path) -> None:
+        _save_pretrained_files(model, self.tokenizer, directory)
 
     def loss_sum(self, model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         logits = model(**model_inputs(model, batch)).logits
@@ -229,6 +243,9 @@ class MaskedLM:
 
     def largest_batch(self, size: int) -> dict[str, torch.Tensor]:
         return self.collate(_longest(self.train_set, size))
+
+    def write_model_files(self, model: torch.nn.Module, directory: Path) -> None:
+        _save_pretrained_files(model, self.tokenizer, directory)
 
     def count_items(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         return torch.tensor(len(batch["masked_positions"]))  # the loss tokens: normalised by their global count

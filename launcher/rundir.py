@@ -1,7 +1,9 @@
 """The run dir's shared file names and their readers: what the workers write there (complete
-checkpoints, hang reports) as the parent reads it back, for resume, status and the error line; and the
-one way both sides replace a small run-dir file (write_atomically).
-Exercised by: tests/test_resume.py, tests/test_hang.py and `python -m launcher.launch.status <run dir>`.
+checkpoints, hang reports) as the parent reads it back, for resume, status and the error line; a run dir
+named where a pretrained model is expected (its newest checkpoint); and the one way both sides replace a
+small run-dir file (write_atomically).
+Exercised by: tests/test_resume.py, tests/test_hang.py, tests/test_pretrained_runs.py and
+`python -m launcher.launch.status <run dir>`.
 """
 from __future__ import annotations
 
@@ -9,8 +11,12 @@ import json
 import os
 import platform
 from pathlib import Path
+from typing import Any, Mapping
 
 MARKER = "COMPLETE"  # in checkpoints/<step>/ once every file of the checkpoint is written
+LAUNCH_FILE = "launch.json"  # the parent writes it into every run dir before any worker starts
+# Keys of model/ and data/ that name a pretrained model: a hub id, a save_pretrained dir, or a run dir
+PRETRAINED_KEYS = ("pretrained", "tokenizer")
 HANG_DIR = "hang"  # <run_dir>/hang/rank<N>.txt: a rank's hang report
 
 
@@ -28,6 +34,30 @@ def complete_steps(run_dir: Path) -> list[int]:
     if not root.is_dir():
         return []
     return sorted(int(p.name) for p in root.iterdir() if p.name.isdigit() and (p / MARKER).is_file())
+
+
+def is_run_dir(path: object) -> bool:
+    return isinstance(path, str) and (Path(path) / LAUNCH_FILE).is_file()
+
+
+def newest_checkpoint(run_dir: Path) -> Path | None:
+    steps = complete_steps(run_dir)
+    return run_dir / "checkpoints" / str(steps[-1]) if steps else None
+
+
+def pretrained_from_run_dirs(section: Mapping[str, Any]) -> dict[str, str]:
+    """{key: checkpoint dir} for each PRETRAINED_KEYS value of a model/data config section that names a run
+    dir (model.pretrained=runs/pretrain): the run's newest complete checkpoint, which a job that writes its
+    model files (Task.write_model_files) made a save_pretrained dir. Read when the workers start, so that a
+    job queued after that run's job (launcher.after) gets what it trained."""
+    checkpoints = {}
+    for key in PRETRAINED_KEYS:
+        if is_run_dir(section.get(key)):
+            newest = newest_checkpoint(Path(section[key]))
+            if newest is None:
+                raise ValueError(f"{key}={section[key]} is a run dir without a complete checkpoint; train it first")
+            checkpoints[key] = str(newest)
+    return checkpoints
 
 
 def hang_summary(run_dir: Path) -> str | None:

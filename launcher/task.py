@@ -40,6 +40,10 @@ class Task(Protocol):
     #   `size` training samples as large as a batch of this job gets (the longest sequences, for text):
     #   train.micro_batch_size=auto probes memory with it. Without it, the first `size` samples are used
     #   (right for jobs whose samples all have one size).
+    # Optional: def write_model_files(self, model: torch.nn.Module, directory: Path) -> None
+    #   What makes checkpoints/<step>/ loadable without the launcher, written beside its model.safetensors
+    #   (a transformers job: config.json and the tokenizer; then from_pretrained loads the checkpoint, and
+    #   model.pretrained=<run dir> starts another run from the run's newest one).
 
 
 def count_tokens(batch: dict[str, torch.Tensor]) -> int | None:

@@ -15,10 +15,9 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from launcher.redact import redact, redacted
-from launcher.rundir import write_atomically
+from launcher.rundir import LAUNCH_FILE, write_atomically
 
 TRACKERS_FILE = "trackers.json"  # the tracker runs of this run dir: {"mlflow": {"run_id": ...}, "wandb": {...}}
-LAUNCH_FILE = "launch.json"  # written by the parent: the git revision for the tags
 PACKAGES = {"mlflow": "mlflow-skinny sqlalchemy alembic", "wandb": "wandb"}  # what `pip install` needs
 
 

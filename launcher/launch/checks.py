@@ -1,5 +1,6 @@
 """Checks of common job conventions, in the parent before any worker starts: local files that exist and
-hold the named columns, model ids that can load offline. By key name only: launcher/ never imports jobs/.
+hold the named columns, model ids that can load offline, run dirs named as a pretrained model that have a
+checkpoint to start from. By key name only: launcher/ never imports jobs/.
 
 Exercised by: `python -m launcher +exp=bert data=files data.path=missing.csv` (one-line error, exit 2).
 """
@@ -12,9 +13,9 @@ from pathlib import Path
 from typing import Any
 
 from launcher.derived import ConfigError
+from launcher.rundir import PRETRAINED_KEYS, is_run_dir, newest_checkpoint
 
 PATH_KEYS = ("path", "eval_path")  # data files a job reads
-MODEL_KEYS = ("pretrained", "tokenizer")  # HF hub ids or local dirs
 COLUMN_KEYS = ("text_fields", "label_field", "text_field")  # columns a tabular file must hold
 LENGTH_KEY = "max_length"  # tokens per sample a text job keeps (data.max_length)
 DROPOUT_KEY = "dropout"  # a probability that overrides the model's (model.dropout)
@@ -47,8 +48,11 @@ def check_job_inputs(config: dict[str, Any]) -> None:
             value = section.get(key)
             if value and not Path(value).is_file():
                 raise ConfigError(f"{group}.{key}={value} does not exist; give an existing file")
-        for key in MODEL_KEYS:
+        for key in PRETRAINED_KEYS:
             value = section.get(key)
+            if is_run_dir(value):
+                _check_pretrained_run(f"{group}.{key}", value, (config.get("launcher") or {}).get("after"))
+                continue
             if not isinstance(value, str) or Path(value).is_dir():
                 continue
             if value.startswith(("/", ".", "~")):
@@ -73,13 +77,28 @@ def check_job_inputs(config: dict[str, Any]) -> None:
                               f"set data.text_fields / data.label_field to its columns")
 
 
+def _check_pretrained_run(key: str, run_dir: str, after: str | None) -> None:
+    """A run dir as a pretrained model: the workers load its newest complete checkpoint, which must be a
+    save_pretrained dir; a run whose job this one waits for (launcher.after) has none yet."""
+    newest = newest_checkpoint(Path(run_dir))
+    if newest is None:
+        if after and Path(after).resolve() == Path(run_dir).resolve():
+            return  # its job completes before this one starts, with a final checkpoint
+        raise ConfigError(f"{key}={run_dir} is a run dir without a complete checkpoint; train it first, or (launcher=slurm) "
+                          f"add launcher.after={run_dir} to start once its job has completed")
+    if not (newest / "config.json").is_file():
+        raise ConfigError(f"{key}={run_dir}: its newest checkpoint {newest} has no config.json (its job writes no "
+                          f"model files: Task.write_model_files); give a dir written by save_pretrained")
+
+
 def _check_max_length(max_length: Any, pretrained: Any) -> None:
     """Truncation length: > 0 (0 would silently train untruncated), and within the model's positions."""
     if max_length is None:
         return
     if not isinstance(max_length, int) or max_length <= 0:
         raise ConfigError(f"data.max_length={max_length} must be > 0 (tokens kept per sample)")
-    model_config = Path(pretrained) / "config.json" if isinstance(pretrained, str) else None
+    source = newest_checkpoint(Path(pretrained)) if is_run_dir(pretrained) else pretrained  # None: not trained yet
+    model_config = Path(source) / "config.json" if isinstance(source, (str, Path)) else None
     if model_config is None or not model_config.is_file():  # a hub id: checked when the model loads
         return
     positions = json.loads(model_config.read_text()).get("max_position_embeddings")

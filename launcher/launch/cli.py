@@ -27,6 +27,7 @@ from launcher.launch.slurm import dependency, queue
 from launcher.launch.tracker_start import hydra_point, mark_failed, start_trackers
 from launcher.preempt import REQUEUE_EXIT_CODE
 from launcher.redact import redact_override
+from launcher.rundir import LAUNCH_FILE
 from launcher.schema import register
 from launcher.tracker import write_record
 
@@ -39,7 +40,7 @@ def write_launch_record(run_dir: Path, plan: Plan) -> None:
     record = {"command": [redact_override(arg) for arg in sys.argv], "host": platform.node(),
               "overrides": [redact_override(arg) for arg in HydraConfig.get().overrides.task],
               "plan": asdict(plan), **environment_record(run_dir)}
-    (run_dir / "launch.json").write_text(json.dumps(record, indent=2) + "\n")
+    (run_dir / LAUNCH_FILE).write_text(json.dumps(record, indent=2) + "\n")
 
 
 def discard_if_fresh(run_dir: Path) -> None:

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from launcher.redact import redact
-from launcher.rundir import write_atomically
+from launcher.rundir import LAUNCH_FILE, write_atomically
 
 CODE = Path(__file__).resolve().parents[2]  # the checkout that holds launcher/ and jobs/
 ENV_PREFIXES = ("NCCL_", "TORCH_", "CUDA_", "PYTORCH_", "SLURM_")
@@ -88,7 +88,7 @@ def environment_record(run_dir: Path) -> dict[str, Any]:
 def record_slurm_job(run_dir: Path) -> None:
     """On the first node of a Slurm job (each attempt): its SLURM_* variables (job id, node list, array
     task, requeue count) go into launch.json, which the submit host wrote without them."""
-    path = run_dir / "launch.json"
+    path = run_dir / LAUNCH_FILE
     record = json.loads(path.read_text()) if path.is_file() else {}
     record["slurm_job"] = {name: redact(name, value) for name, value in sorted(os.environ.items())
                            if name.startswith("SLURM_")}

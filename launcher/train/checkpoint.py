@@ -2,8 +2,9 @@
 
 Model weights are safetensors (loadable without unpickling); optimizer, scaler, scheduler, train state
 and every rank's RNG state go in train_state.pt, loaded with weights_only=True. The COMPLETE marker
-holds each file's sha256, so a truncated or corrupt checkpoint is never loaded.
-Exercised by: tests/test_resume.py and `python -m launcher +exp=toy train.ckpt_every=50`.
+holds each file's sha256, so a truncated or corrupt checkpoint is never loaded. A job may keep files of its
+own beside the weights: a transformers job's checkpoint is a save_pretrained dir (from_pretrained loads it).
+Exercised by: tests/test_resume.py, tests/test_pretrained_runs.py and `python -m launcher +exp=toy train.ckpt_every=50`.
 """
 from __future__ import annotations
 
@@ -65,8 +66,10 @@ def _fsync(path: Path) -> None:
 
 
 def save(run_dir: Path, step: int, model: torch.nn.Module, train_state: dict[str, Any], is_main: bool,
-         keep: int, device: torch.device) -> Path:
-    """Every rank calls this (it gathers every rank's RNG state); rank 0 writes; all wait for the files."""
+         keep: int, device: torch.device, model_files: Callable[[Path], None] | None = None) -> Path:
+    """Every rank calls this (it gathers every rank's RNG state); rank 0 writes; all wait for the files.
+    `model_files` writes what the job keeps beside the weights (a transformers job: config.json and the
+    tokenizer, which make the checkpoint a save_pretrained dir)."""
     rng_states = all_gather_objects(rng_state(device))
     root = run_dir / "checkpoints"
     final = root / str(step)
@@ -74,7 +77,10 @@ def save(run_dir: Path, step: int, model: torch.nn.Module, train_state: dict[str
         tmp = root / f".tmp-{step}"
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-        save_model(model, str(tmp / "model.safetensors"))  # handles tied weights
+        # handles tied weights; transformers 4 loads only a file that says it holds torch tensors
+        save_model(model, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        if model_files:
+            model_files(tmp)
         torch.save({**train_state, "rng": rng_states}, tmp / "train_state.pt")
         files = {p.name: _sha256(p) for p in sorted(tmp.iterdir())}
         (tmp / MARKER).write_text(json.dumps({"step": step, "sha256": files}) + "\n")

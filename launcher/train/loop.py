@@ -218,8 +218,10 @@ def step_ledger(run: Run, progress: Progress) -> StepLedger:
 def save_checkpoint(run: Run, progress: Progress) -> None:
     """All ranks enter (RNG states are gathered); rank 0 writes checkpoints/<step>/."""
     run.watchdog.at("checkpoint", progress.step)
+    write_model_files = getattr(run.task, "write_model_files", None)  # optional in the Task interface
     checkpoint.save(run.run_dir, progress.step, run.module, train_state(run, progress), run.env.is_main,
-                    run.keep_checkpoints, run.env.device)
+                    run.keep_checkpoints, run.env.device,
+                    model_files=write_model_files and (lambda directory: write_model_files(run.module, directory)))
 
 
 def train_state(run: Run, progress: Progress) -> dict[str, Any]:

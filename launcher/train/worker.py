@@ -22,6 +22,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from launcher.compat import DDP_NO_FORWARD_BUFFER_SYNC
 from launcher.derived import NODE_CONFIG, config_hash, differing_keys, grad_accum_steps
 from launcher.preempt import REQUEUE_EXIT_CODE, StopFlag, preemption_signals
+from launcher.rundir import pretrained_from_run_dirs
 from launcher.train import checkpoint, micro_batch
 from launcher.train import dist as launcher_dist
 from launcher.train.compiled import CompileWatch, compile_module, failures_in_one_line
@@ -51,8 +52,10 @@ def build(cfg: DictConfig, run_dir: Path, env: launcher_dist.DistEnv) -> Run:
     """Model, data, optimizer and the rest from the resolved config."""
     train_cfg = cfg.train
     seed_all(train_cfg.seed)  # the same initial weights on every rank (DDP also broadcasts rank 0's)
-    task = instantiate(cfg.data)
-    model = instantiate(cfg.model).to(env.device)
+    # model.pretrained / data.tokenizer may name a run dir: its newest checkpoint, as these workers start
+    task = instantiate(cfg.data, **pretrained_from_run_dirs(cfg.data))
+    from_run_dir = pretrained_from_run_dirs(cfg.model)
+    model = instantiate(cfg.model, **from_run_dir).to(env.device)
     model.train()  # dropout on from step 1: HF's from_pretrained returns a model in eval mode
     if env.device.type == "cuda" and train_cfg.tf32:  # TF32 matmuls on Ampere+: ~free speed for fp32 parts
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
@@ -80,28 +83,31 @@ def build(cfg: DictConfig, run_dir: Path, env: launcher_dist.DistEnv) -> Run:
         raise ValueError(f"the train set has {data_plan.n_samples} samples, fewer than train.global_batch_size="
                          f"{train_cfg.global_batch_size} with train.drop_last=true")
     auto = train_cfg.micro_batch_size == "auto"
-    return Run(run_dir=run_dir, env=env, task=task, model=ddp, module=model, optimizer=optimizer,
-               scheduler=scheduler, scaler=precision.grad_scaler(cfg.precision.init_scale, cfg.precision.growth_interval),
-               precision=precision, data_plan=data_plan,
-               # auto: 0 until micro_batch.choose, once the model and optimizer hold their memory
-               grad_accum_steps=0 if auto else grad_accum_steps(train_cfg.global_batch_size,
-                                                                 train_cfg.micro_batch_size, env.world_size),
-               micro_batch_size=0 if auto else train_cfg.micro_batch_size,
-               out_of_memory=micro_batch.OutOfMemoryAgreement(
-                   auto, env.device, launcher_dist.startup_timeout_s(cfg.dist.startup_timeout_s, cfg.dist.timeout_s)),
-               max_steps=train_cfg.max_steps,
-               max_grad_norm=train_cfg.max_grad_norm, timeout_s=cfg.dist.timeout_s, log_every=train_cfg.log_every,
-               eval_every=train_cfg.eval_every, ckpt_every=train_cfg.ckpt_every,
-               keep_checkpoints=train_cfg.keep_checkpoints, max_bad_steps=train_cfg.max_bad_steps,
-               log_samples=train_cfg.log_samples, num_workers=train_cfg.num_workers,
-               persistent_workers=train_cfg.persistent_workers, prefetch_factor=train_cfg.prefetch_factor,
-               log=RunLog(run_dir, enabled=env.is_main, straggler_ratio=train_cfg.straggler_ratio,
-                          config=OmegaConf.to_container(cfg)),
-               config_hash=config_hash(OmegaConf.to_container(cfg)),
-               watchdog=Watchdog(run_dir, env.rank, cfg.dist.hang_timeout_s),
-               compile_watch=CompileWatch(train_cfg.compile, train_cfg.compile_mode),
-               sync_check=SyncCheck(train_cfg.sync_check, env.device),
-               profiler=StepProfiler(run_dir, env.rank, train_cfg.profile, list(train_cfg.profile_ranks), env.device))
+    run = Run(run_dir=run_dir, env=env, task=task, model=ddp, module=model, optimizer=optimizer,
+              scheduler=scheduler, scaler=precision.grad_scaler(cfg.precision.init_scale, cfg.precision.growth_interval),
+              precision=precision, data_plan=data_plan,
+              # auto: 0 until micro_batch.choose, once the model and optimizer hold their memory
+              grad_accum_steps=0 if auto else grad_accum_steps(train_cfg.global_batch_size,
+                                                                train_cfg.micro_batch_size, env.world_size),
+              micro_batch_size=0 if auto else train_cfg.micro_batch_size,
+              out_of_memory=micro_batch.OutOfMemoryAgreement(
+                  auto, env.device, launcher_dist.startup_timeout_s(cfg.dist.startup_timeout_s, cfg.dist.timeout_s)),
+              max_steps=train_cfg.max_steps,
+              max_grad_norm=train_cfg.max_grad_norm, timeout_s=cfg.dist.timeout_s, log_every=train_cfg.log_every,
+              eval_every=train_cfg.eval_every, ckpt_every=train_cfg.ckpt_every,
+              keep_checkpoints=train_cfg.keep_checkpoints, max_bad_steps=train_cfg.max_bad_steps,
+              log_samples=train_cfg.log_samples, num_workers=train_cfg.num_workers,
+              persistent_workers=train_cfg.persistent_workers, prefetch_factor=train_cfg.prefetch_factor,
+              log=RunLog(run_dir, enabled=env.is_main, straggler_ratio=train_cfg.straggler_ratio,
+                         config=OmegaConf.to_container(cfg)),
+              config_hash=config_hash(OmegaConf.to_container(cfg)),
+              watchdog=Watchdog(run_dir, env.rank, cfg.dist.hang_timeout_s),
+              compile_watch=CompileWatch(train_cfg.compile, train_cfg.compile_mode),
+              sync_check=SyncCheck(train_cfg.sync_check, env.device),
+              profiler=StepProfiler(run_dir, env.rank, train_cfg.profile, list(train_cfg.profile_ranks), env.device))
+    if from_run_dir:
+        run.log.info(f"model.pretrained={cfg.model.pretrained}: its newest checkpoint, {from_run_dir['pretrained']}")
+    return run
 
 
 def restore(run: Run, state: dict[str, Any] | None, seed: int, allow_config_change: bool) -> Progress:

@@ -1,0 +1,91 @@
+"""A run's checkpoint is a pretrained model: transformers loads a BERT job's checkpoint without the launcher,
+and model.pretrained=<run dir> starts a new run from that run's newest checkpoint (pre-train, then fine-tune)."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import run_cli, subprocess_env
+from launcher.derived import ConfigError
+from launcher.launch.checks import check_job_inputs
+
+# Plain transformers in a process of its own, the launcher's code not imported (its attention registration
+# included): each checkpoint loads with the Auto class, and every tensor of the model equals the file's, the
+# tied ones (the MLM decoder: the word embeddings) equal to the tensor they share.
+LOAD = """
+import json, sys, torch
+from safetensors import safe_open
+from transformers import AutoModelForMaskedLM, AutoModelForSequenceClassification, AutoTokenizer
+for auto, checkpoint in ((AutoModelForMaskedLM, sys.argv[1]), (AutoModelForSequenceClassification, sys.argv[2])):
+    model = auto.from_pretrained(checkpoint)
+    state = model.state_dict()
+    with safe_open(checkpoint + "/model.safetensors", "pt") as f:
+        saved, tied = {k: f.get_tensor(k) for k in f.keys()}, {k: v for k, v in f.metadata().items() if k != "format"}
+    assert state.keys() == saved.keys() | tied.keys(), state.keys() ^ (saved.keys() | tied.keys())
+    assert all(torch.equal(state[k], saved[k]) for k in saved) and all(torch.equal(state[k], saved[v]) for k, v in tied.items())
+    print(json.dumps({"class": type(model).__name__, "tied": sorted(tied),
+                      "ids": AutoTokenizer.from_pretrained(checkpoint)("a short sentence")["input_ids"]}))
+assert not {"launcher", "jobs"} & set(sys.modules)
+"""
+
+
+@pytest.mark.slow
+def test_pretrain_then_fine_tune_from_the_run_dir(tmp_path: Path, tiny_bert: Path) -> None:
+    one_rank = ("launcher.nproc_per_node=1", "train.global_batch_size=8", "train.micro_batch_size=8", "data.n_eval=0")
+    pretrain = tmp_path / "pretrain"
+    out = run_cli("+exp=bert_mlm", *one_rank, f"model.pretrained={tiny_bert}", "data.n_train=64", "train.max_steps=4",
+                  "train.ckpt_every=2", f"hydra.run.dir={pretrain}", cwd=tmp_path)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    checkpoints = pretrain / "checkpoints"
+    newest = load_file(checkpoints / "4" / "model.safetensors")
+    assert not torch.equal(newest["bert.encoder.layer.0.output.dense.weight"],
+                           load_file(checkpoints / "2" / "model.safetensors")["bert.encoder.layer.0.output.dense.weight"])
+    assert json.loads((checkpoints / "4" / "config.json").read_text())["architectures"] == ["BertForMaskedLM"]
+
+    fine_tune = ("+exp=bert", *one_rank, "data.n_train=32", "train.max_steps=2")
+    from_run = run_cli(*fine_tune, f"model.pretrained={pretrain}", f"hydra.run.dir={tmp_path / 'from_run'}", cwd=tmp_path)
+    assert from_run.returncode == 0, from_run.stdout[-2000:] + from_run.stderr[-3000:]
+    assert f"model.pretrained={pretrain}: its newest checkpoint, {checkpoints / '4'}" in from_run.stdout
+    given = run_cli(*fine_tune, f"model.pretrained={checkpoints / '4'}", f"hydra.run.dir={tmp_path / 'given'}", cwd=tmp_path)
+    assert given.returncode == 0, given.stdout[-2000:] + given.stderr[-3000:]
+    # The same start, so the same two steps, bit for bit: the run dir stood for its newest checkpoint
+    a, b = (load_file(tmp_path / run / "checkpoints" / "2" / "model.safetensors") for run in ("from_run", "given"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert not torch.equal(a["bert.embeddings.word_embeddings.weight"], newest["bert.embeddings.word_embeddings.weight"])
+
+    fine_tuned = tmp_path / "from_run" / "checkpoints" / "2"
+    load = subprocess.run([sys.executable, "-c", LOAD, str(checkpoints / "4"), str(fine_tuned)], cwd=tmp_path,
+                          env={**subprocess_env(), "PYTHONPATH": ""}, capture_output=True, text=True, timeout=120)
+    assert load.returncode == 0, load.stderr[-3000:]
+    mlm, classifier = (json.loads(line) for line in load.stdout.splitlines())
+    assert mlm["class"] == "BertForMaskedLM" and "cls.predictions.decoder.weight" in mlm["tied"]
+    assert classifier["class"] == "BertForSequenceClassification"
+    from transformers import AutoTokenizer
+
+    assert mlm["ids"] == classifier["ids"] == AutoTokenizer.from_pretrained(tiny_bert)("a short sentence")["input_ids"]
+
+
+def test_a_run_dir_named_as_pretrained_is_checked_in_the_parent(tmp_path: Path) -> None:
+    run_dir = tmp_path / "pretrain"
+    run_dir.mkdir()
+    (run_dir / "launch.json").write_text("{}")
+    config = {"model": {"pretrained": str(run_dir)}, "data": {"tokenizer": str(run_dir)}, "launcher": {"after": None}}
+    with pytest.raises(ConfigError, match=r"^model\.pretrained=.*/pretrain is a run dir without a complete checkpoint; "
+                                          r"train it first, or \(launcher=slurm\) add launcher.after="):
+        check_job_inputs(config)
+    check_job_inputs({**config, "launcher": {"after": str(run_dir)}})  # queued after that run's job: fine
+    step = run_dir / "checkpoints" / "3"
+    step.mkdir(parents=True)
+    (step / "COMPLETE").write_text("{}")
+    with pytest.raises(ConfigError, match=r"its newest checkpoint .*/checkpoints/3 has no config.json"):
+        check_job_inputs(config)
+    (step / "config.json").write_text(json.dumps({"max_position_embeddings": 64}))
+    check_job_inputs(config)
+    with pytest.raises(ConfigError, match=r"data\.max_length=128 is more than the 64 positions of model\.pretrained="):
+        check_job_inputs({**config, "data": {"tokenizer": str(run_dir), "max_length": 128}})
