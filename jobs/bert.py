@@ -102,6 +102,8 @@ def _save_pretrained_files(model: torch.nn.Module, tokenizer: Any, directory: Pa
     hf = hf_model(model)
     config = copy.deepcopy(hf.config)
     config.architectures = [next(c.__name__ for c in type(hf).__mro__ if c.__module__.startswith("transformers."))]
+    # the weights' own dtype (model.dtype), as from_pretrained's dtype="auto" reads it (transformers 4: torch_dtype)
+    setattr(config, "dtype" if hasattr(config, "dtype") else "torch_dtype", next(hf.parameters()).dtype)
     config.save_pretrained(directory)
     tokenizer.save_pretrained(directory)
 

@@ -11,12 +11,12 @@ import json
 import os
 import platform
 from pathlib import Path
-from typing import Any, Mapping
 
 MARKER = "COMPLETE"  # in checkpoints/<step>/ once every file of the checkpoint is written
 LAUNCH_FILE = "launch.json"  # the parent writes it into every run dir before any worker starts
 # Keys of model/ and data/ that name a pretrained model: a hub id, a save_pretrained dir, or a run dir
 PRETRAINED_KEYS = ("pretrained", "tokenizer")
+PRETRAINED_FILE = "pretrained.json"  # the checkpoints that such keys naming a run dir stand for, in this run
 HANG_DIR = "hang"  # <run_dir>/hang/rank<N>.txt: a rank's hang report
 
 
@@ -45,19 +45,11 @@ def newest_checkpoint(run_dir: Path) -> Path | None:
     return run_dir / "checkpoints" / str(steps[-1]) if steps else None
 
 
-def pretrained_from_run_dirs(section: Mapping[str, Any]) -> dict[str, str]:
-    """{key: checkpoint dir} for each PRETRAINED_KEYS value of a model/data config section that names a run
-    dir (model.pretrained=runs/pretrain): the run's newest complete checkpoint, which a job that writes its
-    model files (Task.write_model_files) made a save_pretrained dir. Read when the workers start, so that a
-    job queued after that run's job (launcher.after) gets what it trained."""
-    checkpoints = {}
-    for key in PRETRAINED_KEYS:
-        if is_run_dir(section.get(key)):
-            newest = newest_checkpoint(Path(section[key]))
-            if newest is None:
-                raise ValueError(f"{key}={section[key]} is a run dir without a complete checkpoint; train it first")
-            checkpoints[key] = str(newest)
-    return checkpoints
+def pinned_pretrained(run_dir: Path) -> dict[str, str]:
+    """{"model.pretrained": checkpoint dir, ...}: what the keys that named a run dir meant at this run's first
+    start (launcher/train/checkpoint.py pretrained_sources); every later start builds from the same."""
+    path = run_dir / PRETRAINED_FILE
+    return json.loads(path.read_text()) if path.is_file() else {}
 
 
 def hang_summary(run_dir: Path) -> str | None:

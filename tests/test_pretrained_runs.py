@@ -3,6 +3,7 @@ and model.pretrained=<run dir> starts a new run from that run's newest checkpoin
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -51,7 +52,9 @@ def test_pretrain_then_fine_tune_from_the_run_dir(tmp_path: Path, tiny_bert: Pat
     fine_tune = ("+exp=bert", *one_rank, "data.n_train=32", "train.max_steps=2")
     from_run = run_cli(*fine_tune, f"model.pretrained={pretrain}", f"hydra.run.dir={tmp_path / 'from_run'}", cwd=tmp_path)
     assert from_run.returncode == 0, from_run.stdout[-2000:] + from_run.stderr[-3000:]
-    assert f"model.pretrained={pretrain}: its newest checkpoint, {checkpoints / '4'}" in from_run.stdout
+    assert f"model.pretrained={pretrain}: from checkpoint {checkpoints / '4'}" in from_run.stdout
+    assert json.loads((tmp_path / "from_run" / "pretrained.json").read_text()) == {
+        "model.pretrained": str(checkpoints / "4"), "data.tokenizer": str(checkpoints / "4")}
     given = run_cli(*fine_tune, f"model.pretrained={checkpoints / '4'}", f"hydra.run.dir={tmp_path / 'given'}", cwd=tmp_path)
     assert given.returncode == 0, given.stdout[-2000:] + given.stderr[-3000:]
     # The same start, so the same two steps, bit for bit: the run dir stood for its newest checkpoint
@@ -70,6 +73,16 @@ def test_pretrain_then_fine_tune_from_the_run_dir(tmp_path: Path, tiny_bert: Pat
 
     assert mlm["ids"] == classifier["ids"] == AutoTokenizer.from_pretrained(tiny_bert)("a short sentence")["input_ids"]
 
+    # The pre-training run is gone: a relaunch of the fine-tune resumes, built from its own newest checkpoint
+    # (the parent does not check again what the first start pinned)
+    for step in checkpoints.iterdir():
+        shutil.rmtree(step)
+    again = run_cli(*fine_tune, f"model.pretrained={pretrain}", f"hydra.run.dir={tmp_path / 'from_run'}",
+                    "train.max_steps=3", "resume.allow_config_change=true", cwd=tmp_path)
+    assert again.returncode == 0, again.stdout[-2000:] + again.stderr[-3000:]
+    assert f"model.pretrained={pretrain}: from checkpoint {fine_tuned}" in again.stdout
+    assert "resumed from step 2" in again.stdout and (tmp_path / "from_run" / "checkpoints" / "3" / "COMPLETE").is_file()
+
 
 def test_a_run_dir_named_as_pretrained_is_checked_in_the_parent(tmp_path: Path) -> None:
     run_dir = tmp_path / "pretrain"
@@ -78,14 +91,16 @@ def test_a_run_dir_named_as_pretrained_is_checked_in_the_parent(tmp_path: Path) 
     config = {"model": {"pretrained": str(run_dir)}, "data": {"tokenizer": str(run_dir)}, "launcher": {"after": None}}
     with pytest.raises(ConfigError, match=r"^model\.pretrained=.*/pretrain is a run dir without a complete checkpoint; "
                                           r"train it first, or \(launcher=slurm\) add launcher.after="):
-        check_job_inputs(config)
-    check_job_inputs({**config, "launcher": {"after": str(run_dir)}})  # queued after that run's job: fine
+        check_job_inputs(config, pinned={})
+    check_job_inputs({**config, "launcher": {"after": str(run_dir)}}, pinned={})  # queued after that run's job
+    # a later start of a run whose first start pinned the checkpoints: not checked again (they may be gone)
+    check_job_inputs(config, pinned={"model.pretrained": "gone", "data.tokenizer": "gone"})
     step = run_dir / "checkpoints" / "3"
     step.mkdir(parents=True)
     (step / "COMPLETE").write_text("{}")
-    with pytest.raises(ConfigError, match=r"its newest checkpoint .*/checkpoints/3 has no config.json"):
-        check_job_inputs(config)
+    with pytest.raises(ConfigError, match=r"^data\.tokenizer=.*: its newest checkpoint .*/checkpoints/3 has no config.json"):
+        check_job_inputs({**config, "model": {}}, pinned={})
     (step / "config.json").write_text(json.dumps({"max_position_embeddings": 64}))
-    check_job_inputs(config)
+    check_job_inputs(config, pinned={})
     with pytest.raises(ConfigError, match=r"data\.max_length=128 is more than the 64 positions of model\.pretrained="):
-        check_job_inputs({**config, "data": {"tokenizer": str(run_dir), "max_length": 128}})
+        check_job_inputs({**config, "data": {"tokenizer": str(run_dir), "max_length": 128}}, pinned={})

@@ -41,7 +41,8 @@ def _columns(path: Path) -> list[str] | None:
     return None
 
 
-def check_job_inputs(config: dict[str, Any]) -> None:
+def check_job_inputs(config: dict[str, Any], pinned: dict[str, str]) -> None:
+    """`pinned`: this run dir's pinned_pretrained, the checkpoints its earlier starts built from."""
     for group in ("model", "data"):  # model first: data.tokenizer usually repeats model.pretrained
         section = config.get(group) or {}
         for key in PATH_KEYS:
@@ -51,7 +52,8 @@ def check_job_inputs(config: dict[str, Any]) -> None:
         for key in PRETRAINED_KEYS:
             value = section.get(key)
             if is_run_dir(value):
-                _check_pretrained_run(f"{group}.{key}", value, (config.get("launcher") or {}).get("after"))
+                if f"{group}.{key}" not in pinned:  # a first start: later ones build from the same checkpoint
+                    _check_pretrained_run(f"{group}.{key}", value, (config.get("launcher") or {}).get("after"))
                 continue
             if not isinstance(value, str) or Path(value).is_dir():
                 continue
@@ -66,7 +68,8 @@ def check_job_inputs(config: dict[str, Any]) -> None:
     if dropout is not None and not probability:
         raise ConfigError(f"model.dropout={dropout} must be a probability in [0, 1); null keeps the model's own")
     data = config.get("data") or {}
-    _check_max_length(data.get(LENGTH_KEY), (config.get("model") or {}).get("pretrained"))
+    pretrained = pinned.get("model.pretrained") or (config.get("model") or {}).get("pretrained")
+    _check_max_length(data.get(LENGTH_KEY), pretrained)
     wanted = [c for key in COLUMN_KEYS for c in ([data[key]] if isinstance(data.get(key), str) else data.get(key) or [])]
     for key in PATH_KEYS:
         path = Path(data[key]) if data.get(key) else None
@@ -78,8 +81,9 @@ def check_job_inputs(config: dict[str, Any]) -> None:
 
 
 def _check_pretrained_run(key: str, run_dir: str, after: str | None) -> None:
-    """A run dir as a pretrained model: the workers load its newest complete checkpoint, which must be a
-    save_pretrained dir; a run whose job this one waits for (launcher.after) has none yet."""
+    """A run dir as a pretrained model at a run's first start: the workers build from its newest complete
+    checkpoint, which must be a save_pretrained dir; a run whose job this one waits for (launcher.after) has
+    none yet."""
     newest = newest_checkpoint(Path(run_dir))
     if newest is None:
         if after and Path(after).resolve() == Path(run_dir).resolve():

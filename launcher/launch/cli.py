@@ -27,7 +27,7 @@ from launcher.launch.slurm import dependency, queue
 from launcher.launch.tracker_start import hydra_point, mark_failed, start_trackers
 from launcher.preempt import REQUEUE_EXIT_CODE
 from launcher.redact import redact_override
-from launcher.rundir import LAUNCH_FILE
+from launcher.rundir import LAUNCH_FILE, pinned_pretrained
 from launcher.schema import register
 from launcher.tracker import write_record
 
@@ -67,7 +67,7 @@ def main(cfg: DictConfig) -> None:
         if plan.nnodes > 1 and cfg.launcher.name == "local":
             shared_run_dir(plan.nnodes)
         config = resolve(cfg, plan)
-        check_job_inputs(config)
+        check_job_inputs(config, pinned_pretrained(run_dir))
         resume_step = check_resume(run_dir, config)
         if cfg.launcher.name == "slurm":
             dependency(config["launcher"])  # launcher.dependency / launcher.after name a job that exists

@@ -21,7 +21,8 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_model, save_model
 
-from launcher.rundir import MARKER, complete_steps
+from launcher.rundir import (MARKER, PRETRAINED_FILE, PRETRAINED_KEYS, complete_steps, is_run_dir,
+                             pinned_pretrained, write_atomically)
 from launcher.train.dist import all_gather_objects
 
 
@@ -103,25 +104,64 @@ def _verify(step_dir: Path) -> None:
             raise ValueError(f"{name} does not match its checksum")
 
 
+def _newest_usable(run_dir: Path, warn: Callable[[str], None]) -> Path | None:
+    """The newest checkpoint of run_dir whose files match their checksums (rank 0 reads them)."""
+    for step in reversed(complete_steps(run_dir)):
+        step_dir = run_dir / "checkpoints" / str(step)
+        try:
+            _verify(step_dir)
+            return step_dir
+        except Exception as err:  # truncated, corrupt, unreadable: fall back, say so
+            warn(f"warning: checkpoint {step_dir} is unusable ({type(err).__name__}: "
+                 f"{str(err).splitlines()[0][:120]}); trying the previous one")
+    return None
+
+
 def load_latest(run_dir: Path, model: torch.nn.Module, warn: Callable[[str], None]) -> dict[str, Any] | None:
     """Load the newest readable checkpoint into model (all ranks agree on rank 0's choice).
 
     Weights are read to the CPU and copied into the parameters wherever they live; the train state stays
     on the CPU (optimizer.load_state_dict moves its tensors to the parameters' device, and RNG states must
     be CPU byte tensors), so a checkpoint written on GPUs loads on a CPU plan and the other way round."""
-    choice = [None]
-    if dist.get_rank() == 0:
-        for step in reversed(complete_steps(run_dir)):
-            try:
-                _verify(run_dir / "checkpoints" / str(step))
-                choice = [step]
-                break
-            except Exception as err:  # truncated, corrupt, unreadable: fall back, say so
-                warn(f"warning: checkpoint {run_dir / 'checkpoints' / str(step)} is unusable "
-                     f"({type(err).__name__}: {str(err).splitlines()[0][:120]}); trying the previous one")
+    choice = [_newest_usable(run_dir, warn) if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(choice, src=0)
     if choice[0] is None:
         return None
-    step_dir = run_dir / "checkpoints" / str(choice[0])
+    step_dir = choice[0]
     load_model(model, str(step_dir / "model.safetensors"))
     return torch.load(step_dir / "train_state.pt", weights_only=True, map_location="cpu")
+
+
+def pretrained_sources(run_dir: Path, sections: dict[str, Any],
+                       warn: Callable[[str], None]) -> dict[str, dict[str, str]]:
+    """{"model": {"pretrained": checkpoint dir}, "data": {...}}: what each key of PRETRAINED_KEYS that names a run
+    dir (model.pretrained=runs/pretrain) stands for, chosen by rank 0 and the same on every rank. At this run's
+    first start it is that run's newest usable checkpoint, kept in <run dir>/pretrained.json: a restart, a
+    requeue or a resume builds from the same one, or, should it be gone, from this run's own newest checkpoint
+    (a save_pretrained dir as well, whose weights the resume loads anyway)."""
+    choice: list[Any] = [None]
+    if dist.get_rank() == 0:
+        pinned, sources, newest_of = pinned_pretrained(run_dir), {}, {}
+        for group, section in sections.items():
+            for key in PRETRAINED_KEYS:
+                name, value = f"{group}.{key}", section.get(key)
+                if not is_run_dir(value):
+                    continue
+                source = pinned.get(name)
+                if source is None:  # this run's first start (data.tokenizer is often model.pretrained: read once)
+                    if value not in newest_of:
+                        newest_of[value] = _newest_usable(Path(value), warn)
+                    if newest_of[value] is None:
+                        raise ValueError(f"{name}={value} is a run dir without a usable checkpoint; train it first")
+                    source = pinned[name] = str(newest_of[value])
+                elif not Path(source).is_dir():
+                    own = _newest_usable(run_dir, warn)
+                    if own is None:
+                        raise ValueError(f"{name}={value}: its checkpoint {source}, which this run started from, is gone")
+                    source = str(own)
+                sources.setdefault(group, {})[key] = source
+        if pinned:
+            write_atomically(run_dir / PRETRAINED_FILE, json.dumps(pinned, indent=2) + "\n")
+        choice = [sources]
+    dist.broadcast_object_list(choice, src=0)
+    return {group: choice[0].get(group, {}) for group in sections}

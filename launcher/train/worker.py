@@ -22,7 +22,6 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from launcher.compat import DDP_NO_FORWARD_BUFFER_SYNC
 from launcher.derived import NODE_CONFIG, config_hash, differing_keys, grad_accum_steps
 from launcher.preempt import REQUEUE_EXIT_CODE, StopFlag, preemption_signals
-from launcher.rundir import pretrained_from_run_dirs
 from launcher.train import checkpoint, micro_batch
 from launcher.train import dist as launcher_dist
 from launcher.train.compiled import CompileWatch, compile_module, failures_in_one_line
@@ -52,10 +51,11 @@ def build(cfg: DictConfig, run_dir: Path, env: launcher_dist.DistEnv) -> Run:
     """Model, data, optimizer and the rest from the resolved config."""
     train_cfg = cfg.train
     seed_all(train_cfg.seed)  # the same initial weights on every rank (DDP also broadcasts rank 0's)
-    # model.pretrained / data.tokenizer may name a run dir: its newest checkpoint, as these workers start
-    task = instantiate(cfg.data, **pretrained_from_run_dirs(cfg.data))
-    from_run_dir = pretrained_from_run_dirs(cfg.model)
-    model = instantiate(cfg.model, **from_run_dir).to(env.device)
+    # model.pretrained / data.tokenizer may name a run dir: a checkpoint of that run, the same on every rank
+    sources = checkpoint.pretrained_sources(run_dir, {"model": cfg.model, "data": cfg.data},
+                                            warn=lambda message: print(message, file=sys.stderr, flush=True))
+    task = instantiate(cfg.data, **sources["data"])
+    model = instantiate(cfg.model, **sources["model"]).to(env.device)
     model.train()  # dropout on from step 1: HF's from_pretrained returns a model in eval mode
     if env.device.type == "cuda" and train_cfg.tf32:  # TF32 matmuls on Ampere+: ~free speed for fp32 parts
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
@@ -105,8 +105,8 @@ def build(cfg: DictConfig, run_dir: Path, env: launcher_dist.DistEnv) -> Run:
               compile_watch=CompileWatch(train_cfg.compile, train_cfg.compile_mode),
               sync_check=SyncCheck(train_cfg.sync_check, env.device),
               profiler=StepProfiler(run_dir, env.rank, train_cfg.profile, list(train_cfg.profile_ranks), env.device))
-    if from_run_dir:
-        run.log.info(f"model.pretrained={cfg.model.pretrained}: its newest checkpoint, {from_run_dir['pretrained']}")
+    if "pretrained" in sources["model"]:
+        run.log.info(f"model.pretrained={cfg.model.pretrained}: from checkpoint {sources['model']['pretrained']}")
     return run
 
 
