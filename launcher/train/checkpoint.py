@@ -4,7 +4,8 @@ Model weights are safetensors (loadable without unpickling); optimizer, scaler, 
 and every rank's RNG state go in train_state.pt, loaded with weights_only=True. The COMPLETE marker
 holds each file's sha256, so a truncated or corrupt checkpoint is never loaded. A job may keep files of its
 own beside the weights: a transformers job's checkpoint is a save_pretrained dir (from_pretrained loads it).
-Exercised by: tests/test_resume.py, tests/test_pretrained_runs.py and `python -m launcher +exp=toy train.ckpt_every=50`.
+Exercised by: tests/test_resume.py, tests/test_pretrained_runs.py and
+`python -m launcher +exp=toy train.ckpt_every=50`.
 """
 from __future__ import annotations
 
