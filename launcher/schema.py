@@ -48,7 +48,7 @@ class TrainConfig:
     # the first step; halved, and the step redone, when a rank runs out of memory later)
     micro_batch_size: Union[int, str] = 8
     max_micro_batch_size: Optional[int] = None  # auto tries sizes up to this; null: the rank's whole share
-    max_steps: int = 100  # optimizer steps (windows of global_batch_size samples)
+    max_steps: int = 100  # optimizer steps (windows of global_batch_size samples); 0: evaluate only
     drop_last: bool = False  # drop each epoch's short last window instead of training on it
     max_grad_norm: Optional[float] = 1.0  # null disables clipping (the norm is still logged)
     log_every: int = 10

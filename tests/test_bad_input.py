@@ -32,7 +32,7 @@ CASES = {  # name: (overrides, or a function of tmp_path giving them; what the l
     "wrong type": (["+exp=toy", "train.max_steps=abc"], "train.max_steps=abc"),
     "indivisible batch": (["+exp=toy", "train.global_batch_size=30"],
                           "train.global_batch_size=30 is not divisible by train.micro_batch_size=8"),
-    "zero steps": (["+exp=toy", "train.max_steps=0"], "train.max_steps=0 must be > 0"),
+    "negative steps": (["+exp=toy", "train.max_steps=-1"], "train.max_steps=-1 must be >= 0"),
     "seed out of range": (["+exp=toy", "train.seed=4294967296"], "train.seed=4294967296 is not in 0..4294967295"),
     "zero micro batch": (["+exp=toy", "train.micro_batch_size=0"],
                          "train.micro_batch_size=0 is neither a positive integer nor auto"),

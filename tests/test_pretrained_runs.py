@@ -1,5 +1,6 @@
 """A run's checkpoint is a pretrained model: transformers loads a BERT job's checkpoint without the launcher,
-and model.pretrained=<run dir> starts a new run from that run's newest checkpoint (pre-train, then fine-tune)."""
+and model.pretrained=<run dir> starts a new run from that run's newest checkpoint (pre-train, then fine-tune,
+then evaluate with train.max_steps=0)."""
 from __future__ import annotations
 
 import json
@@ -38,9 +39,10 @@ assert not {"launcher", "jobs"} & set(sys.modules)
 
 @pytest.mark.slow
 def test_pretrain_then_fine_tune_from_the_run_dir(tmp_path: Path, tiny_bert: Path) -> None:
-    one_rank = ("launcher.nproc_per_node=1", "train.global_batch_size=8", "train.micro_batch_size=8", "data.n_eval=0")
+    one_rank = ("launcher.nproc_per_node=1", "train.global_batch_size=8", "train.micro_batch_size=8")
     pretrain = tmp_path / "pretrain"
-    out = run_cli("+exp=bert_mlm", *one_rank, f"model.pretrained={tiny_bert}", "data.n_train=64", "train.max_steps=4",
+    out = run_cli("+exp=bert_mlm", *one_rank, f"model.pretrained={tiny_bert}", "data.n_train=64", "data.n_eval=0",
+                  "train.max_steps=4",
                   "train.ckpt_every=2", f"hydra.run.dir={pretrain}", cwd=tmp_path)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     checkpoints = pretrain / "checkpoints"
@@ -49,7 +51,7 @@ def test_pretrain_then_fine_tune_from_the_run_dir(tmp_path: Path, tiny_bert: Pat
                            load_file(checkpoints / "2" / "model.safetensors")["bert.encoder.layer.0.output.dense.weight"])
     assert json.loads((checkpoints / "4" / "config.json").read_text())["architectures"] == ["BertForMaskedLM"]
 
-    fine_tune = ("+exp=bert", *one_rank, "data.n_train=32", "train.max_steps=2")
+    fine_tune = ("+exp=bert", *one_rank, "data.n_train=32", "data.n_eval=16", "train.max_steps=2")
     from_run = run_cli(*fine_tune, f"model.pretrained={pretrain}", f"hydra.run.dir={tmp_path / 'from_run'}", cwd=tmp_path)
     assert from_run.returncode == 0, from_run.stdout[-2000:] + from_run.stderr[-3000:]
     assert f"model.pretrained={pretrain}: from checkpoint {checkpoints / '4'}" in from_run.stdout
@@ -82,6 +84,16 @@ def test_pretrain_then_fine_tune_from_the_run_dir(tmp_path: Path, tiny_bert: Pat
     assert again.returncode == 0, again.stdout[-2000:] + again.stderr[-3000:]
     assert f"model.pretrained={pretrain}: from checkpoint {fine_tuned}" in again.stdout
     assert "resumed from step 2" in again.stdout and (tmp_path / "from_run" / "checkpoints" / "3" / "COMPLETE").is_file()
+
+    # Then evaluate: train.max_steps=0 trains nothing and evaluates the fine-tuned checkpoint, exactly as the
+    # fine-tune's own final eval did with the same weights in memory
+    evaluate = run_cli(*fine_tune, f"model.pretrained={tmp_path / 'from_run'}", "train.max_steps=0",
+                       f"hydra.run.dir={tmp_path / 'evaluate'}", cwd=tmp_path)
+    assert evaluate.returncode == 0, evaluate.stdout[-2000:] + evaluate.stderr[-3000:]
+    summary, trained = (json.loads((tmp_path / run / "summary.json").read_text()) for run in ("evaluate", "from_run"))
+    assert summary["steps"] == 0 and summary["checkpoint"] is None and not (tmp_path / "evaluate" / "checkpoints").exists()
+    assert summary["eval"] == trained["eval"] and trained["steps"] == 3 and set(trained["eval"]) == {"loss", "accuracy", "f1"}
+    assert "done: evaluated without training, eval loss=" in evaluate.stdout
 
 
 def test_a_run_dir_named_as_pretrained_is_checked_in_the_parent(tmp_path: Path) -> None:

@@ -33,12 +33,13 @@ def test_readme_command_runs_as_written(args: list[str], tmp_path: Path, tiny_be
     (tmp_path / "train.csv").write_text("sentence,label\na fine film,1\na dull film,0\n")
     (tmp_path / "dev.jsonl").write_text('{"sentence": "a fine film", "label": 1}\n')
     (tmp_path / "corpus.txt").write_text("one line of text\nanother line\n")
-    pretrain = tmp_path / "runs" / "pretrain"  # a run submitted with launcher=slurm (launcher.after) that trained
-    (pretrain / "checkpoints" / "4").mkdir(parents=True)  # (model.pretrained=<run dir>: its newest checkpoint)
-    (pretrain / "slurm.json").write_text('{"job_id": "1234", "log_dir": "slurm"}\n')
-    (pretrain / "launch.json").write_text("{}\n")
-    (pretrain / "checkpoints" / "4" / "config.json").write_text((tiny_bert / "config.json").read_text())
-    (pretrain / "checkpoints" / "4" / "COMPLETE").write_text("{}\n")
+    for name in ("pretrain", "finetune"):  # runs that trained (pretrain was submitted with launcher=slurm, for
+        run = tmp_path / "runs" / name     # launcher.after); model.pretrained=<run dir>: its newest checkpoint
+        (run / "checkpoints" / "4").mkdir(parents=True)
+        (run / "slurm.json").write_text('{"job_id": "1234", "log_dir": "slurm"}\n')
+        (run / "launch.json").write_text("{}\n")
+        (run / "checkpoints" / "4" / "config.json").write_text((tiny_bert / "config.json").read_text())
+        (run / "checkpoints" / "4" / "COMPLETE").write_text("{}\n")
     args = [arg.replace("=/shared/", f"={tmp_path}/shared/") for arg in args]  # the nodes' shared storage
     flags = 1 if args[:1] == ["-m"] else 0  # Hydra's own options (`--cfg job`) must stay last
     dry = [*args[:flags], "launcher.dry_run=true", *args[flags:]]

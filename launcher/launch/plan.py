@@ -109,13 +109,13 @@ def local_nodes(cfg: DictConfig) -> tuple[int, int]:
 
 def make_plan(cfg: DictConfig) -> Plan:
     """Check the config against where it will run and derive the plan, or raise ConfigError."""
-    _require_positive(cfg, "train.global_batch_size", "train.max_micro_batch_size", "train.max_steps",
+    _require_positive(cfg, "train.global_batch_size", "train.max_micro_batch_size",
                       "train.log_every", "launcher.nproc_per_node", "dist.timeout_s", "dist.hang_timeout_s", "dist.startup_timeout_s", "train.straggler_ratio",
                       "optimizer.lr", "train.max_grad_norm")
     _require_positive(cfg, "train.keep_checkpoints", "train.max_bad_steps", "launcher.shutdown_timeout_s",
                       "train.prefetch_factor")
-    for key in ("train.eval_every", "train.ckpt_every", "train.num_workers", "scheduler.warmup_steps",
-                "launcher.max_restarts"):
+    for key in ("train.max_steps", "train.eval_every", "train.ckpt_every", "train.num_workers", "scheduler.warmup_steps",
+                "launcher.max_restarts"):  # train.max_steps=0: evaluate model.pretrained, train nothing
         if OmegaConf.select(cfg, key) < 0:
             raise ConfigError(f"{key}={OmegaConf.select(cfg, key)} must be >= 0")
     if not 0 <= cfg.train.seed < 2**32:  # numpy's range, and the ranks' seeds (data.rank_seed) fit torch's 64 bits

@@ -203,7 +203,8 @@ def train(run: Run, progress: Progress, stop: StopFlag) -> dict[str, Any]:
         run.log.metrics({"step": progress.step, "eval": summary["eval"]}, run.max_steps)
     if progress.step > resumed_from:  # else the final checkpoint is already there
         save_checkpoint(run, progress)
-    summary["checkpoint"] = str(run.run_dir / "checkpoints" / str(progress.step))
+    # train.max_steps=0 evaluates only: no step, no checkpoint
+    summary["checkpoint"] = str(run.run_dir / "checkpoints" / str(progress.step)) if progress.step else None
     if run.profiler.dir:
         summary["profile"] = str(run.profiler.dir)
     run.log.summary(summary)

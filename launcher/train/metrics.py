@@ -141,8 +141,12 @@ class RunLog:
             if key in record:
                 table.add_row(key, _fmt(record[key]))
         Console(file=sys.stdout, width=120).print(table)
-        print(f"done: {record['steps']} steps in {record['wall_time_s']:.1f}s, final loss "
-              f"{_fmt(record['final_loss'])}; run dir {self.run_dir}", flush=True)
+        if record["steps"] == 0:  # train.max_steps=0
+            evaluated = _fmt(record.get("eval")) or "none (the job has no eval set)"
+            print(f"done: evaluated without training, eval {evaluated}; run dir {self.run_dir}", flush=True)
+        else:
+            print(f"done: {record['steps']} steps in {record['wall_time_s']:.1f}s, final loss "
+                  f"{_fmt(record['final_loss'])}; run dir {self.run_dir}", flush=True)
         if "profile" in record:
             print(f"profile: open the .pt.trace.json files of {record['profile']} in ui.perfetto.dev, or run "
                   f"tensorboard --logdir {record['profile']}", flush=True)
