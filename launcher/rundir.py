@@ -45,11 +45,18 @@ def newest_checkpoint(run_dir: Path) -> Path | None:
     return run_dir / "checkpoints" / str(steps[-1]) if steps else None
 
 
-def pinned_pretrained(run_dir: Path) -> dict[str, str]:
-    """{"model.pretrained": checkpoint dir, ...}: what the keys that named a run dir meant at this run's first
-    start (launcher/train/checkpoint.py pretrained_sources); every later start builds from the same."""
+def pinned_pretrained(run_dir: Path) -> dict[str, dict[str, str]]:
+    """{"model.pretrained": {"run": run dir, "checkpoint": checkpoint dir}, ...} (absolute paths): what the keys
+    that named a run dir meant at this run's first start (launcher/train/checkpoint.py pretrained_sources)."""
     path = run_dir / PRETRAINED_FILE
     return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def pinned_checkpoint(pinned: dict[str, dict[str, str]], name: str, value: object) -> str | None:
+    """The checkpoint pinned for key `name` while it still names the same run (another value is a new choice)."""
+    entry = pinned.get(name)
+    same = entry is not None and is_run_dir(value) and entry["run"] == str(Path(str(value)).resolve())
+    return entry["checkpoint"] if same else None
 
 
 def hang_summary(run_dir: Path) -> str | None:

@@ -86,7 +86,7 @@ def assert_same_float64_weights(a: Path, b: Path, step: int) -> None:
 # would leave the other worker idle at the end.
 SLOWEST_FILES_FIRST = ("test_bert.py", "test_slurm.py", "test_compile.py", "test_resume.py", "test_tracking.py",
                        "test_micro_batch.py", "test_many_nodes.py", "test_knobs.py", "test_distributed_math.py",
-                       "test_hang.py")
+                       "test_hang.py", "test_pretrained_runs.py")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -39,24 +39,27 @@ assert not {"launcher", "jobs"} & set(sys.modules)
 
 @pytest.mark.slow
 def test_pretrain_then_fine_tune_from_the_run_dir(tmp_path: Path, tiny_bert: Path) -> None:
-    one_rank = ("launcher.nproc_per_node=1", "train.global_batch_size=8", "train.micro_batch_size=8")
     pretrain = tmp_path / "pretrain"
-    out = run_cli("+exp=bert_mlm", *one_rank, f"model.pretrained={tiny_bert}", "data.n_train=64", "data.n_eval=0",
-                  "train.max_steps=4",
+    out = run_cli("+exp=bert_mlm", "launcher.nproc_per_node=1", "train.global_batch_size=8", "train.micro_batch_size=8",
+                  f"model.pretrained={tiny_bert}", "model.dropout=0.05", "data.n_train=64", "data.n_eval=0", "train.max_steps=4",
                   "train.ckpt_every=2", f"hydra.run.dir={pretrain}", cwd=tmp_path)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     checkpoints = pretrain / "checkpoints"
     newest = load_file(checkpoints / "4" / "model.safetensors")
     assert not torch.equal(newest["bert.encoder.layer.0.output.dense.weight"],
                            load_file(checkpoints / "2" / "model.safetensors")["bert.encoder.layer.0.output.dense.weight"])
-    assert json.loads((checkpoints / "4" / "config.json").read_text())["architectures"] == ["BertForMaskedLM"]
+    config = json.loads((checkpoints / "4" / "config.json").read_text())
+    assert config["architectures"] == ["BertForMaskedLM"] and config["hidden_dropout_prob"] == 0.05
 
-    fine_tune = ("+exp=bert", *one_rank, "data.n_train=32", "data.n_eval=16", "train.max_steps=2")
+    # fine-tunes on 2 ranks: rank 0 picks the checkpoint, the other takes its choice
+    fine_tune = ("+exp=bert", "launcher.nproc_per_node=2", "train.global_batch_size=8", "train.micro_batch_size=4",
+                 "data.n_train=32", "data.n_eval=16", "train.max_steps=2")
     from_run = run_cli(*fine_tune, f"model.pretrained={pretrain}", f"hydra.run.dir={tmp_path / 'from_run'}", cwd=tmp_path)
     assert from_run.returncode == 0, from_run.stdout[-2000:] + from_run.stderr[-3000:]
     assert f"model.pretrained={pretrain}: from checkpoint {checkpoints / '4'}" in from_run.stdout
-    assert json.loads((tmp_path / "from_run" / "pretrained.json").read_text()) == {
-        "model.pretrained": str(checkpoints / "4"), "data.tokenizer": str(checkpoints / "4")}
+    pin = {"run": str(pretrain), "checkpoint": str(checkpoints / "4")}
+    assert json.loads((tmp_path / "from_run" / "pretrained.json").read_text()) == {"model.pretrained": pin,
+                                                                                    "data.tokenizer": pin}
     given = run_cli(*fine_tune, f"model.pretrained={checkpoints / '4'}", f"hydra.run.dir={tmp_path / 'given'}", cwd=tmp_path)
     assert given.returncode == 0, given.stdout[-2000:] + given.stderr[-3000:]
     # The same start, so the same two steps, bit for bit: the run dir stood for its newest checkpoint
@@ -65,6 +68,8 @@ def test_pretrain_then_fine_tune_from_the_run_dir(tmp_path: Path, tiny_bert: Pat
     assert not torch.equal(a["bert.embeddings.word_embeddings.weight"], newest["bert.embeddings.word_embeddings.weight"])
 
     fine_tuned = tmp_path / "from_run" / "checkpoints" / "2"
+    config = json.loads((fine_tuned / "config.json").read_text())  # model.dropout=null: the pre-training run's
+    assert config["architectures"] == ["BertForSequenceClassification"] and config["hidden_dropout_prob"] == 0.05
     load = subprocess.run([sys.executable, "-c", LOAD, str(checkpoints / "4"), str(fine_tuned)], cwd=tmp_path,
                           env={**subprocess_env(), "PYTHONPATH": ""}, capture_output=True, text=True, timeout=120)
     assert load.returncode == 0, load.stderr[-3000:]
@@ -75,15 +80,31 @@ def test_pretrain_then_fine_tune_from_the_run_dir(tmp_path: Path, tiny_bert: Pat
 
     assert mlm["ids"] == classifier["ids"] == AutoTokenizer.from_pretrained(tiny_bert)("a short sentence")["input_ids"]
 
-    # The pre-training run is gone: a relaunch of the fine-tune resumes, built from its own newest checkpoint
-    # (the parent does not check again what the first start pinned)
-    for step in checkpoints.iterdir():
-        shutil.rmtree(step)
-    again = run_cli(*fine_tune, f"model.pretrained={pretrain}", f"hydra.run.dir={tmp_path / 'from_run'}",
-                    "train.max_steps=3", "resume.allow_config_change=true", cwd=tmp_path)
+    # The pre-training run has a newer checkpoint: a relaunch of the fine-tune still builds from the pinned one
+    shutil.copytree(checkpoints / "4", checkpoints / "6")
+    relaunch = (*fine_tune, f"model.pretrained={pretrain}", f"hydra.run.dir={tmp_path / 'from_run'}",
+                "resume.allow_config_change=true")
+    again = run_cli(*relaunch, "train.max_steps=3", cwd=tmp_path)
     assert again.returncode == 0, again.stdout[-2000:] + again.stderr[-3000:]
-    assert f"model.pretrained={pretrain}: from checkpoint {fine_tuned}" in again.stdout
-    assert "resumed from step 2" in again.stdout and (tmp_path / "from_run" / "checkpoints" / "3" / "COMPLETE").is_file()
+    assert f"model.pretrained={pretrain}: from checkpoint {checkpoints / '4'}" in again.stdout
+    assert "resumed from step 2" in again.stdout
+
+    # A fresh run takes the newest usable checkpoint: here none (6 corrupt, 4 and 2 gone). Rank 0 finds out, and
+    # every rank stops with its line, in the workers (the parent reads no checksum)
+    shutil.rmtree(checkpoints / "4")
+    shutil.rmtree(checkpoints / "2")
+    (checkpoints / "6" / "model.safetensors").write_bytes(b"not the weights")
+    bad = run_cli(*fine_tune, f"model.pretrained={pretrain}", f"hydra.run.dir={tmp_path / 'bad'}", cwd=tmp_path)
+    assert bad.returncode == 1 and f"checkpoint {checkpoints / '6'} is unusable" in bad.stderr, bad.stderr[-3000:]
+    last = bad.stderr.strip().splitlines()[-1]  # the launcher's line, from whichever rank it heard of first
+    assert last.startswith("error: rank ") and f"model.pretrained={pretrain} is a run dir without a usable checkpoint" in last
+
+    # The pinned checkpoint is gone: a relaunch resumes, built from the fine-tune's own newest checkpoint (the
+    # parent does not check again what the first start pinned)
+    again = run_cli(*relaunch, "train.max_steps=4", cwd=tmp_path)
+    assert again.returncode == 0, again.stdout[-2000:] + again.stderr[-3000:]
+    assert f"model.pretrained={pretrain}: from checkpoint {tmp_path / 'from_run' / 'checkpoints' / '3'}" in again.stdout
+    assert "resumed from step 3" in again.stdout
 
     # Then evaluate: train.max_steps=0 trains nothing and evaluates the fine-tuned checkpoint, exactly as the
     # fine-tune's own final eval did with the same weights in memory
@@ -92,7 +113,7 @@ def test_pretrain_then_fine_tune_from_the_run_dir(tmp_path: Path, tiny_bert: Pat
     assert evaluate.returncode == 0, evaluate.stdout[-2000:] + evaluate.stderr[-3000:]
     summary, trained = (json.loads((tmp_path / run / "summary.json").read_text()) for run in ("evaluate", "from_run"))
     assert summary["steps"] == 0 and summary["checkpoint"] is None and not (tmp_path / "evaluate" / "checkpoints").exists()
-    assert summary["eval"] == trained["eval"] and trained["steps"] == 3 and set(trained["eval"]) == {"loss", "accuracy", "f1"}
+    assert summary["eval"] == trained["eval"] and trained["steps"] == 4 and set(trained["eval"]) == {"loss", "accuracy", "f1"}
     assert "done: evaluated without training, eval loss=" in evaluate.stdout
 
 
@@ -104,9 +125,18 @@ def test_a_run_dir_named_as_pretrained_is_checked_in_the_parent(tmp_path: Path) 
     with pytest.raises(ConfigError, match=r"^model\.pretrained=.*/pretrain is a run dir without a complete checkpoint; "
                                           r"train it first, or \(launcher=slurm\) add launcher.after="):
         check_job_inputs(config, pinned={})
-    check_job_inputs({**config, "launcher": {"after": str(run_dir)}}, pinned={})  # queued after that run's job
+    # queued after that run's job (launcher.after), which loads a pretrained model: its checkpoints will do
+    (run_dir / "config.yaml").write_text("model:\n  _target_: jobs.bert.masked_lm_model\n  pretrained: x\n")
+    check_job_inputs({**config, "launcher": {"after": str(run_dir)}}, pinned={})
+    (run_dir / "config.yaml").write_text("model:\n  _target_: jobs.toy.MLP\n  hidden: 4\n")
+    with pytest.raises(ConfigError, match=r"^model\.pretrained=.*: that run's model \(jobs\.toy\.MLP\) loads no pretrained"):
+        check_job_inputs({**config, "launcher": {"after": str(run_dir)}}, pinned={})
     # a later start of a run whose first start pinned the checkpoints: not checked again (they may be gone)
-    check_job_inputs(config, pinned={"model.pretrained": "gone", "data.tokenizer": "gone"})
+    pin = {"run": str(run_dir), "checkpoint": "gone"}
+    check_job_inputs(config, pinned={"model.pretrained": pin, "data.tokenizer": pin})
+    other = {"run": str(tmp_path / "another_run"), "checkpoint": "gone"}  # pinned for another value: a new choice
+    with pytest.raises(ConfigError, match=r"^model\.pretrained=.* is a run dir without a complete checkpoint"):
+        check_job_inputs(config, pinned={"model.pretrained": other, "data.tokenizer": other})
     step = run_dir / "checkpoints" / "3"
     step.mkdir(parents=True)
     (step / "COMPLETE").write_text("{}")

@@ -12,8 +12,10 @@ import os
 from pathlib import Path
 from typing import Any
 
+from omegaconf import OmegaConf
+
 from launcher.derived import ConfigError
-from launcher.rundir import PRETRAINED_KEYS, is_run_dir, newest_checkpoint
+from launcher.rundir import PRETRAINED_KEYS, is_run_dir, newest_checkpoint, pinned_checkpoint
 
 PATH_KEYS = ("path", "eval_path")  # data files a job reads
 COLUMN_KEYS = ("text_fields", "label_field", "text_field")  # columns a tabular file must hold
@@ -41,7 +43,7 @@ def _columns(path: Path) -> list[str] | None:
     return None
 
 
-def check_job_inputs(config: dict[str, Any], pinned: dict[str, str]) -> None:
+def check_job_inputs(config: dict[str, Any], pinned: dict[str, dict[str, str]]) -> None:
     """`pinned`: this run dir's pinned_pretrained, the checkpoints its earlier starts built from."""
     for group in ("model", "data"):  # model first: data.tokenizer usually repeats model.pretrained
         section = config.get(group) or {}
@@ -52,7 +54,7 @@ def check_job_inputs(config: dict[str, Any], pinned: dict[str, str]) -> None:
         for key in PRETRAINED_KEYS:
             value = section.get(key)
             if is_run_dir(value):
-                if f"{group}.{key}" not in pinned:  # a first start: later ones build from the same checkpoint
+                if not pinned_checkpoint(pinned, f"{group}.{key}", value):  # later starts build from the pinned one
                     _check_pretrained_run(f"{group}.{key}", value, (config.get("launcher") or {}).get("after"))
                 continue
             if not isinstance(value, str) or Path(value).is_dir():
@@ -68,8 +70,8 @@ def check_job_inputs(config: dict[str, Any], pinned: dict[str, str]) -> None:
     if dropout is not None and not probability:
         raise ConfigError(f"model.dropout={dropout} must be a probability in [0, 1); null keeps the model's own")
     data = config.get("data") or {}
-    pretrained = pinned.get("model.pretrained") or (config.get("model") or {}).get("pretrained")
-    _check_max_length(data.get(LENGTH_KEY), pretrained)
+    pretrained = (config.get("model") or {}).get("pretrained")
+    _check_max_length(data.get(LENGTH_KEY), pinned_checkpoint(pinned, "model.pretrained", pretrained) or pretrained)
     wanted = [c for key in COLUMN_KEYS for c in ([data[key]] if isinstance(data.get(key), str) else data.get(key) or [])]
     for key in PATH_KEYS:
         path = Path(data[key]) if data.get(key) else None
@@ -87,12 +89,26 @@ def _check_pretrained_run(key: str, run_dir: str, after: str | None) -> None:
     newest = newest_checkpoint(Path(run_dir))
     if newest is None:
         if after and Path(after).resolve() == Path(run_dir).resolve():
-            return  # its job completes before this one starts, with a final checkpoint
+            # its job completes before this one starts, with a final checkpoint: one of a model that loads
+            # from_pretrained, if its own config names a pretrained model (the convention these checks go by)
+            queued = _run_config(Path(run_dir))
+            if "pretrained" not in (queued.get("model") or {}):
+                raise ConfigError(f"{key}={run_dir}: that run's model ({(queued.get('model') or {}).get('_target_')}) "
+                                  f"loads no pretrained model, so its checkpoints will be no save_pretrained dir")
+            return
         raise ConfigError(f"{key}={run_dir} is a run dir without a complete checkpoint; train it first, or (launcher=slurm) "
                           f"add launcher.after={run_dir} to start once its job has completed")
     if not (newest / "config.json").is_file():
         raise ConfigError(f"{key}={run_dir}: its newest checkpoint {newest} has no config.json (its job writes no "
                           f"model files: Task.write_model_files); give a dir written by save_pretrained")
+
+
+def _run_config(run_dir: Path) -> dict[str, Any]:
+    """The resolved config of another run (empty when it has none that reads back)."""
+    try:
+        return OmegaConf.to_container(OmegaConf.load(run_dir / "config.yaml"))
+    except Exception:  # missing, unreadable, not YAML: nothing to go by
+        return {}
 
 
 def _check_max_length(max_length: Any, pretrained: Any) -> None:

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from safetensors.torch import load_model, save_model
 
 from launcher.rundir import (MARKER, PRETRAINED_FILE, PRETRAINED_KEYS, complete_steps, is_run_dir,
-                             pinned_pretrained, write_atomically)
+                             pinned_checkpoint, pinned_pretrained, write_atomically)
 from launcher.train.dist import all_gather_objects
 
 
@@ -105,17 +105,21 @@ def _verify(step_dir: Path) -> None:
             raise ValueError(f"{name} does not match its checksum")
 
 
+def _usable(step_dir: Path, warn: Callable[[str], None]) -> bool:
+    """Whether step_dir is a complete checkpoint whose files match their checksums (else a warning says why)."""
+    try:
+        _verify(step_dir)
+        return True
+    except Exception as err:  # missing, truncated, corrupt, unreadable: say so
+        warn(f"warning: checkpoint {step_dir} is unusable ({type(err).__name__}: {str(err).splitlines()[0][:120]})")
+        return False
+
+
 def _newest_usable(run_dir: Path, warn: Callable[[str], None]) -> Path | None:
-    """The newest checkpoint of run_dir whose files match their checksums (rank 0 reads them)."""
-    for step in reversed(complete_steps(run_dir)):
-        step_dir = run_dir / "checkpoints" / str(step)
-        try:
-            _verify(step_dir)
-            return step_dir
-        except Exception as err:  # truncated, corrupt, unreadable: fall back, say so
-            warn(f"warning: checkpoint {step_dir} is unusable ({type(err).__name__}: "
-                 f"{str(err).splitlines()[0][:120]}); trying the previous one")
-    return None
+    """The newest checkpoint of run_dir whose files match their checksums (rank 0 reads them); older ones
+    when newer are unusable."""
+    return next((run_dir / "checkpoints" / str(step) for step in reversed(complete_steps(run_dir))
+                 if _usable(run_dir / "checkpoints" / str(step), warn)), None)
 
 
 def load_latest(run_dir: Path, model: torch.nn.Module, warn: Callable[[str], None]) -> dict[str, Any] | None:
@@ -133,36 +137,51 @@ def load_latest(run_dir: Path, model: torch.nn.Module, warn: Callable[[str], Non
     return torch.load(step_dir / "train_state.pt", weights_only=True, map_location="cpu")
 
 
-def pretrained_sources(run_dir: Path, sections: dict[str, Any],
+def pretrained_sources(run_dir: Path, sections: dict[str, Any], resume: bool,
                        warn: Callable[[str], None]) -> dict[str, dict[str, str]]:
     """{"model": {"pretrained": checkpoint dir}, "data": {...}}: what each key of PRETRAINED_KEYS that names a run
     dir (model.pretrained=runs/pretrain) stands for, chosen by rank 0 and the same on every rank. At this run's
     first start it is that run's newest usable checkpoint, kept in <run dir>/pretrained.json: a restart, a
     requeue or a resume builds from the same one, or, should it be gone, from this run's own newest checkpoint
-    (a save_pretrained dir as well, whose weights the resume loads anyway)."""
+    (a save_pretrained dir as well, whose weights the resume loads anyway). Rank 0's error is every rank's: the
+    others would otherwise wait in the broadcast (other nodes' ranks until dist.startup_timeout_s)."""
     choice: list[Any] = [None]
     if dist.get_rank() == 0:
-        pinned, sources, newest_of = pinned_pretrained(run_dir), {}, {}
-        for group, section in sections.items():
-            for key in PRETRAINED_KEYS:
-                name, value = f"{group}.{key}", section.get(key)
-                if not is_run_dir(value):
-                    continue
-                source = pinned.get(name)
-                if source is None:  # this run's first start (data.tokenizer is often model.pretrained: read once)
-                    if value not in newest_of:
-                        newest_of[value] = _newest_usable(Path(value), warn)
-                    if newest_of[value] is None:
-                        raise ValueError(f"{name}={value} is a run dir without a usable checkpoint; train it first")
-                    source = pinned[name] = str(newest_of[value])
-                elif not Path(source).is_dir():
-                    own = _newest_usable(run_dir, warn)
-                    if own is None:
-                        raise ValueError(f"{name}={value}: its checkpoint {source}, which this run started from, is gone")
-                    source = str(own)
-                sources.setdefault(group, {})[key] = source
-        if pinned:
-            write_atomically(run_dir / PRETRAINED_FILE, json.dumps(pinned, indent=2) + "\n")
-        choice = [sources]
+        try:
+            choice = [_choose_pretrained(run_dir, sections, resume, warn)]
+        except Exception as error:  # the message travels; the type is ValueError on every rank
+            choice = [f"{str(error).splitlines()[0]}"]
     dist.broadcast_object_list(choice, src=0)
+    if isinstance(choice[0], str):
+        raise ValueError(choice[0])
     return {group: choice[0].get(group, {}) for group in sections}
+
+
+def _choose_pretrained(run_dir: Path, sections: dict[str, Any], resume: bool,
+                       warn: Callable[[str], None]) -> dict[str, dict[str, str]]:
+    """Rank 0's part of pretrained_sources."""
+    pinned, sources, newest_of = pinned_pretrained(run_dir), {}, {}
+    before = dict(pinned)
+    for group, section in sections.items():
+        for key in PRETRAINED_KEYS:
+            name, value = f"{group}.{key}", section.get(key)
+            if not is_run_dir(value):
+                continue
+            source = pinned_checkpoint(pinned, name, value)
+            if source is None:  # this run's first start with this value (data.tokenizer is often model.pretrained)
+                run = Path(value).resolve()
+                if run not in newest_of:
+                    newest_of[run] = _newest_usable(run, warn)
+                if newest_of[run] is None:
+                    raise ValueError(f"{name}={value} is a run dir without a usable checkpoint; train it first")
+                source = str(newest_of[run])
+                pinned[name] = {"run": str(run), "checkpoint": source}
+            elif not _usable(Path(source), warn):
+                own = _newest_usable(run_dir, warn) if resume else None  # resume=never: its own weights won't load
+                if own is None:
+                    raise ValueError(f"{name}={value}: its checkpoint {source}, which this run started from, is gone")
+                source = str(own)
+            sources.setdefault(group, {})[key] = source
+    if pinned != before:
+        write_atomically(run_dir / PRETRAINED_FILE, json.dumps(pinned, indent=2) + "\n")
+    return sources

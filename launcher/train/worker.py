@@ -52,7 +52,7 @@ def build(cfg: DictConfig, run_dir: Path, env: launcher_dist.DistEnv) -> Run:
     train_cfg = cfg.train
     seed_all(train_cfg.seed)  # the same initial weights on every rank (DDP also broadcasts rank 0's)
     # model.pretrained / data.tokenizer may name a run dir: a checkpoint of that run, the same on every rank
-    sources = checkpoint.pretrained_sources(run_dir, {"model": cfg.model, "data": cfg.data},
+    sources = checkpoint.pretrained_sources(run_dir, {"model": cfg.model, "data": cfg.data}, cfg.resume.mode != "never",
                                             warn=lambda message: print(message, file=sys.stderr, flush=True))
     task = instantiate(cfg.data, **sources["data"])
     model = instantiate(cfg.model, **sources["model"]).to(env.device)
