@@ -150,7 +150,7 @@ def pretrained_sources(run_dir: Path, sections: dict[str, Any], resume: bool,
         try:
             choice = [_choose_pretrained(run_dir, sections, resume, warn)]
         except Exception as error:  # the message travels; the type is ValueError on every rank
-            choice = [f"{str(error).splitlines()[0]}"]
+            choice = [(str(error) or type(error).__name__).splitlines()[0]]
     dist.broadcast_object_list(choice, src=0)
     if isinstance(choice[0], str):
         raise ValueError(choice[0])
