@@ -70,8 +70,7 @@ def check_job_inputs(config: dict[str, Any], pinned: dict[str, dict[str, str]]) 
     if dropout is not None and not probability:
         raise ConfigError(f"model.dropout={dropout} must be a probability in [0, 1); null keeps the model's own")
     data = config.get("data") or {}
-    pretrained = (config.get("model") or {}).get("pretrained")
-    _check_max_length(data.get(LENGTH_KEY), pinned_checkpoint(pinned, "model.pretrained", pretrained) or pretrained)
+    _check_max_length(data.get(LENGTH_KEY), _model_source((config.get("model") or {}).get("pretrained"), pinned))
     wanted = [c for key in COLUMN_KEYS for c in ([data[key]] if isinstance(data.get(key), str) else data.get(key) or [])]
     for key in PATH_KEYS:
         path = Path(data[key]) if data.get(key) else None
@@ -111,14 +110,22 @@ def _run_config(run_dir: Path) -> dict[str, Any]:
         return {}
 
 
+def _model_source(pretrained: Any, pinned: dict[str, dict[str, str]]) -> Any:
+    """What model.pretrained loads from, as far as the parent can tell: for a run dir the checkpoint it stands
+    for (the pinned one, else its newest; None while it has none), else the value itself."""
+    if not is_run_dir(pretrained):
+        return pretrained
+    checkpoint = pinned_checkpoint(pinned, "model.pretrained", pretrained) or newest_checkpoint(Path(pretrained))
+    return str(checkpoint) if checkpoint else None
+
+
 def _check_max_length(max_length: Any, pretrained: Any) -> None:
     """Truncation length: > 0 (0 would silently train untruncated), and within the model's positions."""
     if max_length is None:
         return
     if not isinstance(max_length, int) or max_length <= 0:
         raise ConfigError(f"data.max_length={max_length} must be > 0 (tokens kept per sample)")
-    source = newest_checkpoint(Path(pretrained)) if is_run_dir(pretrained) else pretrained  # None: not trained yet
-    model_config = Path(source) / "config.json" if isinstance(source, (str, Path)) else None
+    model_config = Path(pretrained) / "config.json" if isinstance(pretrained, str) else None
     if model_config is None or not model_config.is_file():  # a hub id: checked when the model loads
         return
     positions = json.loads(model_config.read_text()).get("max_position_embeddings")

@@ -118,8 +118,8 @@ def _usable(step_dir: Path, warn: Callable[[str], None]) -> bool:
 def _newest_usable(run_dir: Path, warn: Callable[[str], None]) -> Path | None:
     """The newest checkpoint of run_dir whose files match their checksums (rank 0 reads them); older ones
     when newer are unusable."""
-    return next((run_dir / "checkpoints" / str(step) for step in reversed(complete_steps(run_dir))
-                 if _usable(run_dir / "checkpoints" / str(step), warn)), None)
+    newest_first = (run_dir / "checkpoints" / str(step) for step in reversed(complete_steps(run_dir)))
+    return next((step_dir for step_dir in newest_first if _usable(step_dir, warn)), None)
 
 
 def load_latest(run_dir: Path, model: torch.nn.Module, warn: Callable[[str], None]) -> dict[str, Any] | None:
