@@ -15,6 +15,7 @@ import transformers
 from transformers import (AutoConfig, AutoModelForSequenceClassification, AutoTokenizer, BertForMaskedLM,
                           DataCollatorForTokenClassification, DataCollatorWithPadding)
 
+from jobs.activation_checkpointing import checkpoint_activations
 from jobs.attention import hf_model, model_inputs, use_sdpa_unmasked
 from jobs.text import GLUE_FIELDS, corpus_lines, load_file_rows, load_hub_rows, sentiment_rows
 
@@ -52,12 +53,12 @@ def _config(pretrained: str, dropout: float | None, **kwargs: Any) -> dict[str, 
     return {"config": config}
 
 
-def classification_model(pretrained: str, num_labels: int, dtype: str = "float32",
-                         dropout: float | None = None) -> torch.nn.Module:
+def classification_model(pretrained: str, num_labels: int, dtype: str = "float32", dropout: float | None = None,
+                         activation_checkpointing: bool = False) -> torch.nn.Module:
     """A hub id (bert-base-uncased) or a local dir; the classifier head is new when it has none."""
     model = _from_pretrained(AutoModelForSequenceClassification, pretrained,
                              **_config(pretrained, dropout, num_labels=num_labels))
-    return use_sdpa_unmasked(model).to(getattr(torch, dtype))
+    return checkpoint_activations(use_sdpa_unmasked(model), activation_checkpointing).to(getattr(torch, dtype))
 
 
 class BertMaskedLMSum(BertForMaskedLM):
@@ -85,10 +86,11 @@ def _masked_positions(labels: torch.Tensor) -> torch.Tensor:
     return (labels.flatten() != -100).nonzero().squeeze(1)
 
 
-def masked_lm_model(pretrained: str, dtype: str = "float32", dropout: float | None = None) -> torch.nn.Module:
+def masked_lm_model(pretrained: str, dtype: str = "float32", dropout: float | None = None,
+                    activation_checkpointing: bool = False) -> torch.nn.Module:
     """BERT weights from a hub id or local dir; an MLM head is initialised when the dir has none."""
     model = _from_pretrained(BertMaskedLMSum, pretrained, **_config(pretrained, dropout))
-    return use_sdpa_unmasked(model).to(getattr(torch, dtype))
+    return checkpoint_activations(use_sdpa_unmasked(model), activation_checkpointing).to(getattr(torch, dtype))
 
 
 def _fp32(logits: torch.Tensor) -> torch.Tensor:

@@ -84,6 +84,8 @@ CASES = {  # name: (overrides, or a function of tmp_path giving them; what the l
                                        "launcher.device=cpu but launcher.gpus_per_node=8"),
     "max_length zero": (["+exp=bert", "data.max_length=0"], "data.max_length=0 must be > 0"),
     "dropout over one": (["+exp=bert", "model.dropout=1.5"], "model.dropout=1.5 must be a probability in [0, 1)"),
+    "activation checkpointing not a bool": (["+exp=bert_mlm", "model.activation_checkpointing=yes"],
+                                            "model.activation_checkpointing=yes must be true or false"),
     "max_length beyond the model": (["+exp=bert", "data.max_length=1000"],
                                     "data.max_length=1000 is more than the 512 positions of model.pretrained="),
     "profile steps reversed": (["+exp=toy", "train.profile=[5,2]"], "train.profile=[5, 2] is not [first, last] steps"),

@@ -3,12 +3,15 @@ and the offline defaults `+exp=bert` / `+exp=bert_mlm` end to end."""
 from __future__ import annotations
 
 import json
+from functools import partial
 from pathlib import Path
 
 import pytest
 import torch
+import transformers
 
 from conftest import read_metrics, run_cli
+from jobs.activation_checkpointing import checkpoint_activations
 from jobs.bert import MaskedLM, TextClassification, classification_model, masked_lm_model
 from test_distributed_math import probe
 
@@ -17,13 +20,17 @@ pytestmark = pytest.mark.slow
 
 def test_mlm_gradient_does_not_depend_on_the_split(tmp_path: Path, tiny_bert: Path) -> None:
     """World 2 x accum 2 == world 1 x accum 1 (float64) although micro-batches hold different numbers
-    of masked tokens: the loss is normalised by the global count of loss tokens in the step."""
+    of masked tokens: the loss is normalised by the global count of loss tokens in the step. The split run
+    also recomputes its activations in the backward (model.activation_checkpointing): under DDP's no_sync
+    the gradients still sync once per step, in the last micro-batch, and come out the same."""
     common = ("model.dtype=float64", "model.dropout=0", f"model.pretrained={tiny_bert}", "train.global_batch_size=8",
               "train.max_steps=2", "train.max_grad_norm=null", "data.n_train=64", "data.n_eval=0")
-    split = probe(tmp_path / "w2k2", 2, "sync", *common, "train.micro_batch_size=2", exp="bert_mlm")
+    split = probe(tmp_path / "w2k2", 2, "sync", *common, "train.micro_batch_size=2",
+                  "model.activation_checkpointing=true", exp="bert_mlm")
     whole = probe(tmp_path / "w1k1", 1, "sync", *common, "train.micro_batch_size=8", exp="bert_mlm")
     counts = [c for rank in split for step in rank["steps"] for c in step["items_per_micro_batch"]]
     assert len(set(counts)) > 1  # uneven token counts: the case where mean/K is wrong
+    assert all((step["comm_hook_calls"], step["micro_at_call"]) == (1, [1]) for rank in split for step in rank["steps"])
     for k, (step_split, step_whole) in enumerate(zip(split[0]["steps"], whole[0]["steps"])):
         # the same masked tokens, split differently: per-sample masks do not depend on the split
         assert sum(step_whole["items_per_micro_batch"]) == sum(
@@ -99,6 +106,55 @@ def test_model_dropout_sets_the_dropout_each_config_names(tmp_path: Path) -> Non
     assert classification_model(str(tmp_path / "bert"), num_labels=2).config.hidden_dropout_prob == 0.1  # null: its own
     with pytest.raises(ValueError, match=r"model.dropout=0.25: the config of model.pretrained=.* names no dropout"):
         classification_model(str(tmp_path / "gpt2"), num_labels=2, dropout=0.25)
+
+
+@pytest.mark.parametrize("job", ["bert", "bert_mlm"])
+def test_activation_checkpointing_recomputes_each_layer_in_the_backward_with_the_same_gradients(
+        tiny_bert: Path, job: str) -> None:
+    """model.activation_checkpointing=true: BERT's encoder keeps a fraction of its tensors for the backward, each
+    layer runs again there, and with dropout on (torch's checkpoint replays each layer's random draws) the
+    gradients are the same, bit for bit. The same call works for transformers 4 (CI's floor runs it)."""
+    build = {"bert": partial(classification_model, num_labels=2), "bert_mlm": masked_lm_model}[job]
+    ids = torch.randint(1000, 2000, (4, 12), generator=torch.Generator().manual_seed(0))
+    labels = torch.where(torch.arange(12) % 3 == 1, ids, -100)
+    seen = {}
+    for checkpointed in (False, True):
+        torch.manual_seed(0)
+        model = build(str(tiny_bert), dropout=0.2, dtype="float64", activation_checkpointing=checkpointed).train()
+        forwards, kept = [], []
+        model.base_model.encoder.layer[0].intermediate.register_forward_hook(lambda *_: forwards.append(1))
+        # what the encoder's forward keeps for the backward (the heads keep theirs either way)
+        keeping = torch.autograd.graph.saved_tensors_hooks(lambda t: kept.append(t.numel()) or t, lambda t: t)
+        model.base_model.encoder.register_forward_pre_hook(lambda *_: keeping.__enter__())
+        model.base_model.encoder.register_forward_hook(lambda *_: keeping.__exit__(None, None, None))
+        if job == "bert":
+            loss = torch.nn.functional.cross_entropy(model(input_ids=ids).logits, torch.tensor([0, 1, 0, 1]))
+        else:
+            loss = model(input_ids=ids, labels=labels)[0]
+        loss.backward()
+        seen[checkpointed] = (len(forwards), sum(kept), {n: p.grad for n, p in model.named_parameters()})
+    (plain_forwards, plain_kept, plain_grads), (forwards, kept, grads) = seen[False], seen[True]
+    assert (plain_forwards, forwards) == (1, 2)
+    assert kept < 0.2 * plain_kept, (kept, plain_kept)  # each layer's input; without: every intermediate tensor
+    assert grads.keys() == plain_grads.keys() and all(torch.equal(grads[n], plain_grads[n]) for n in grads)
+    with pytest.raises(ValueError, match=r"^model\.activation_checkpointing=true: Linear does not support it; set "):
+        checkpoint_activations(torch.nn.Linear(2, 2), True)
+
+
+def test_a_checkpointed_bert_compiles_as_one_graph(tiny_bert: Path) -> None:
+    """torch.compile traces torch's non-reentrant checkpoint; transformers 5 warns in the forward that
+    checkpointing turns the (encoder-unused) cache off, and under compile that warning was a graph break in
+    every forward, so checkpoint_activations turns it off itself (the control: with it on, fullgraph fails)."""
+    model = classification_model(str(tiny_bert), num_labels=2, dropout=0.1, activation_checkpointing=True).train()
+    ids = torch.randint(1000, 2000, (4, 12), generator=torch.Generator().manual_seed(0))
+    logits = torch.compile(model, backend="aot_eager", fullgraph=True)(input_ids=ids).logits
+    torch.nn.functional.cross_entropy(logits, torch.tensor([0, 1, 0, 1])).backward()
+    assert all(p.grad is not None for p in model.base_model.encoder.parameters())
+    if int(transformers.__version__.split(".")[0]) >= 5:
+        torch._dynamo.reset()
+        model.config.use_cache = True
+        with pytest.raises(torch._dynamo.exc.Unsupported, match="logging.Logger"):
+            torch.compile(model, backend="aot_eager", fullgraph=True)(input_ids=ids)
 
 
 def test_largest_batch_holds_the_longest_samples(tiny_bert: Path) -> None:

@@ -90,17 +90,19 @@ def test_a_steady_step_never_waits_for_the_gpu(tmp_path: Path, exp: str, precisi
         assert rank["compiled_pieces"] > 1
 
 
-@pytest.mark.parametrize("exp", ["toy", "bench", "bert"])
+@pytest.mark.parametrize("exp", ["toy", "bench", "bert", "bert-checkpointed"])
 def test_the_loop_s_steady_steps_never_wait_for_the_gpu(tmp_path: Path, tiny_bert: Path, exp: str) -> None:
     """train.sync_check=error over the whole loop (pinned loading, the step, the meter, the ledger): the
-    dispatcher and torch's own sync debug mode find nothing in steps 4, 5 and 7 to 11. bert: padded batches."""
+    dispatcher and torch's own sync debug mode find nothing in steps 4, 5 and 7 to 11. bert: padded batches;
+    checkpointed: each layer recomputed in the backward, the CUDA random state saved and restored for it."""
     if exp != "toy" and int(transformers.__version__.split(".")[0]) < 5:
         pytest.skip(f"transformers {transformers.__version__}'s BERT syncs on its attention mask (5.x does not)")
+    bert = ("precision=bf16", f"model.pretrained={tiny_bert}", "data.n_train=256", "data.n_eval=32")
     by_exp = {"toy": ("precision=fp16",),
               "bench": ("precision=bf16", "model.layers=2", "model.hidden=128", "model.heads=2", "data.seq_len=64",
                         "data.n_samples=256"),
-              "bert": ("precision=bf16", f"model.pretrained={tiny_bert}", "data.n_train=256", "data.n_eval=32")}
-    run_dir = run_ok(tmp_path, f"+exp={exp}", *ONE_GPU, *by_exp[exp], "train.sync_check=error",
+              "bert": bert, "bert-checkpointed": (*bert, "model.activation_checkpointing=true")}
+    run_dir = run_ok(tmp_path, f"+exp={exp.split('-')[0]}", *ONE_GPU, *by_exp[exp], "train.sync_check=error",
                      "train.max_steps=12", "train.log_every=6")
     summary = json.loads((run_dir / "summary.json").read_text())
     assert (summary["host_syncs"], summary["checked_steps"]) == (0, 7)

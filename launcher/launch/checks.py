@@ -21,6 +21,7 @@ PATH_KEYS = ("path", "eval_path")  # data files a job reads
 COLUMN_KEYS = ("text_fields", "label_field", "text_field")  # columns a tabular file must hold
 LENGTH_KEY = "max_length"  # tokens per sample a text job keeps (data.max_length)
 DROPOUT_KEY = "dropout"  # a probability that overrides the model's (model.dropout)
+CHECKPOINTING_KEY = "activation_checkpointing"  # recompute activations in the backward (model.activation_checkpointing)
 
 
 def _offline() -> bool:
@@ -69,6 +70,9 @@ def check_job_inputs(config: dict[str, Any], pinned: dict[str, dict[str, str]]) 
     probability = isinstance(dropout, (int, float)) and not isinstance(dropout, bool) and 0 <= dropout < 1
     if dropout is not None and not probability:
         raise ConfigError(f"model.dropout={dropout} must be a probability in [0, 1); null keeps the model's own")
+    checkpointing = (config.get("model") or {}).get(CHECKPOINTING_KEY)
+    if checkpointing is not None and not isinstance(checkpointing, bool):
+        raise ConfigError(f"model.{CHECKPOINTING_KEY}={checkpointing} must be true or false")
     data = config.get("data") or {}
     _check_max_length(data.get(LENGTH_KEY), _model_source((config.get("model") or {}).get("pretrained"), pinned))
     wanted = [c for key in COLUMN_KEYS for c in ([data[key]] if isinstance(data.get(key), str) else data.get(key) or [])]
