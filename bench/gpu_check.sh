@@ -9,6 +9,7 @@
 #   bash bench/gpu_check.sh suite [PYTEST_ARG...]   # there: the rest of the suite with the GPU visible
 #   bash bench/gpu_check.sh bert                    # there: python -m launcher +exp=bert
 #   bash bench/gpu_check.sh bench [ARG...]          # there: python bench/compare.py ARG... --out $OUT/...
+#   bash bench/gpu_check.sh memory [ARG...]         # there: python bench/activation_memory.py ARG... --out $OUT/...
 #   bash bench/gpu_check.sh profile [PRECISION [VARIANT,...]]  # there: raw loop and launcher, eager/compiled, profiled
 # The machine (torch, transformers, tensorboard, rich, safetensors, pytest preinstalled; ../shared/GPU.md)
 # lacks hydra-core, omegaconf, antlr4, submitit and datasets; the 83 MB model package is over what a call carries,
@@ -23,7 +24,7 @@
 # send the next call at once. Never `pkill -f <word>` in a call: the call's own shell matches its words.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-part=${1:?usage: bash bench/gpu_check.sh prepare|setup|gpu|suite|bert|bench|profile [...]}
+part=${1:?usage: bash bench/gpu_check.sh prepare|setup|gpu|suite|bert|bench|memory|profile [...]}
 shift
 out=${OUT:-gpu-out}
 mkdir -p "$out"
@@ -83,6 +84,8 @@ case "$part" in
           python -m launcher +exp=bert hydra.run.dir="$run_dir" 2>&1 | tee "$out/bert.log"
           cp "$run_dir/metrics.jsonl" "$out/bert-metrics.jsonl"; cp "$run_dir/summary.json" "$out/bert-summary.json" ;;
     bench) python bench/compare.py "$@" --out "$out/RESULTS-GPU.md" 2>&1 | tee "$out/bench.log" ;;
+    memory) # model.activation_checkpointing on BERT-base: peak memory, step time, and what auto's micro-batch becomes
+        python bench/activation_memory.py "$@" --out "$out/RESULTS-ACTIVATION-MEMORY.md" 2>&1 | tee "$out/memory.log" ;;
     profile) # why compile pays or not, and where the launcher's step differs from the raw loop's: BERT-base at
              # micro-batch 128 in the precision given (default fp16); the raw loop eager, compiled as the launcher
              # compiles (the module in DDP), compiled around DDP and compiled as one graph (no split at DDP's
@@ -131,5 +134,5 @@ PY
             python bench/trace_summary.py "$run_dir"/profile/rank0.*.json > "$out/profile-$variant.txt"
             rm -rf "$run_dir"
         done ;;
-    *) echo "unknown part $part: prepare, setup, gpu, suite, bert, bench or profile" >&2; exit 2 ;;
+    *) echo "unknown part $part: prepare, setup, gpu, suite, bert, bench, memory or profile" >&2; exit 2 ;;
 esac
