@@ -54,6 +54,8 @@ def main() -> None:
     parser.add_argument("--auto-share", type=int, default=4096, help="GPU only: the global batch auto may fill")
     parser.add_argument("--out", type=Path, default=REPO / "bench" / "RESULTS-ACTIVATION-MEMORY.md")
     args = parser.parse_args()
+    if args.steps < 3:
+        parser.error("--steps must be at least 3: the step time is the median over log intervals after the first")
     precision = "bf16" if cuda else "fp32"
     fixed = (*model_args(args, cuda), f"train.micro_batch_size={args.micro}", f"train.global_batch_size={args.micro}",
              f"data.n_samples={max(4096, args.micro * args.steps)}")
@@ -74,7 +76,7 @@ def main() -> None:
     lines = ["# Activation checkpointing: memory and step time\n",
              f"{device}; torch {torch.__version__}; `python bench/activation_memory.py --rounds {args.rounds}`: "
              f"+exp=bench (BERT {args.layers} x {args.hidden}, {args.heads} heads, seq {args.seq_len}), 1 rank, "
-             f"{precision}, micro-batch {args.micro}, median s/step over steps 2-{args.steps} per round; peak memory: "
+             f"{precision}, micro-batch {args.micro}, median s/step over steps 3-{args.steps} per round; peak memory: "
              f"{memory}.\n",
              "| model.activation_checkpointing | peak memory MB (per round) | s/step (per round) |", "|---|---|---|"]
     for setting, results in rows.items():
@@ -86,8 +88,9 @@ def main() -> None:
     time_ratio = statistics.median(b["step_s"] / a["step_s"] for a, b in zip(kept, recomputed))
     lines.append(f"\nWith checkpointing: peak memory x{memory_ratio:.2f}, step time x{time_ratio:.2f} (median per round).")
     if auto:
+        capped = " (the whole share: a larger --auto-share may find more)" if auto["recomputed"] == args.auto_share else ""
         lines.append(f"train.micro_batch_size=auto (global batch {args.auto_share}): micro-batch {auto['kept']} without, "
-                     f"{auto['recomputed']} with.")
+                     f"{auto['recomputed']} with{capped}.")
     args.out.write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

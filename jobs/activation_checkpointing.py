@@ -8,10 +8,9 @@ from __future__ import annotations
 
 import torch
 
-# torch's non-reentrant checkpoint, as transformers 5 chooses by default and transformers 4 does not (it picks the
-# reentrant one): dynamo traces it (the reentrant one is a graph break per layer), DDP sees each parameter's gradient
-# once (the reentrant one marks them ready twice under find_unused_parameters), and the parameters get gradients
-# even when a layer's inputs need none.
+# torch's non-reentrant checkpoint, the one torch recommends and transformers 5 picks by default; transformers 4 picks
+# the reentrant one, which gives a layer's weights no gradient when the layer's input needs none (frozen embeddings:
+# the encoder would silently stop training) and runs its backward in a nested autograd call.
 CHECKPOINT_KWARGS = {"use_reentrant": False}
 
 
@@ -27,11 +26,7 @@ def checkpoint_activations(model: torch.nn.Module, enabled: bool) -> torch.nn.Mo
     enable(CHECKPOINT_KWARGS)
     if getattr(model.config, "use_cache", False):
         # an encoder keeps no cache anyway, and transformers 5 warns in the forward that checkpointing turns it off:
-        # under torch.compile that warning is a graph break in every forward
+        # under torch.compile that warning is a graph break in every forward. (The checkpoints' config.json says
+        # so too; generate() passes a use_cache of its own.)
         model.config.use_cache = False
     return model
-
-
-def checkpointed_layers(model: torch.nn.Module) -> int:
-    """How many of the model's modules recompute their activations in the backward."""
-    return sum(bool(getattr(m, "gradient_checkpointing", False)) for m in model.modules())

@@ -42,10 +42,17 @@ NOT_TRAJECTORY_TRAIN = {"log_every", "eval_every", "ckpt_every", "keep_checkpoin
                         "straggler_ratio"}
 
 
+# model.activation_checkpointing (the BERT jobs) recomputes the activations it drops, the same numbers: a run that
+# ran out of memory may resume with it on
+NOT_TRAJECTORY_MODEL = {"activation_checkpointing"}
+
+
 def trajectory_config(config: dict[str, Any]) -> dict[str, Any]:
     """The part of a resolved config that decides the trained weights."""
     kept = {k: v for k, v in config.items() if k not in NOT_TRAJECTORY}
     kept["train"] = {k: v for k, v in config.get("train", {}).items() if k not in NOT_TRAJECTORY_TRAIN}
+    if isinstance(config.get("model"), dict):
+        kept["model"] = {k: v for k, v in config["model"].items() if k not in NOT_TRAJECTORY_MODEL}
     return kept
 
 

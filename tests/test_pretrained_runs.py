@@ -11,11 +11,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from omegaconf import OmegaConf
 from safetensors.torch import load_file
 
 from conftest import run_cli, subprocess_env
-from launcher.derived import ConfigError
+from launcher.derived import ConfigError, config_hash
 from launcher.launch.checks import check_job_inputs
+from launcher.launch.resume import check_resume
 
 # Plain transformers in a process of its own, the launcher's code not imported (its attention registration
 # included): each checkpoint loads with the Auto class, and every tensor of the model equals the file's, the
@@ -101,6 +103,16 @@ def test_a_run_dir_stands_for_its_pinned_checkpoint_then_max_steps_0_evaluates(c
     a, b = (load_file(tmp_path / run / "checkpoints" / "2" / "model.safetensors") for run in ("from_run", "given"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert not torch.equal(a["bert.embeddings.word_embeddings.weight"], newest["bert.embeddings.word_embeddings.weight"])
+    # So the key is no part of the trajectory: given resumes with it off, or with a config from before the key, as
+    # the parent's check and the worker's config hash see it (dropout is, the control)
+    config = OmegaConf.to_container(OmegaConf.load(tmp_path / "given" / "config.yaml"))
+    saved = torch.load(tmp_path / "given" / "checkpoints" / "2" / "train_state.pt", weights_only=True)["config_hash"]
+    model = {k: v for k, v in config["model"].items() if k != "activation_checkpointing"}
+    for other in ({**model, "activation_checkpointing": False}, model):
+        assert check_resume(tmp_path / "given", {**config, "model": other}) == 2
+        assert config_hash({**config, "model": other}) == saved
+    with pytest.raises(ConfigError, match=r"\(model\.dropout changed\)"):
+        check_resume(tmp_path / "given", {**config, "model": {**model, "dropout": 0.2}})
 
     # The pre-training run has a newer checkpoint: a relaunch of the fine-tune still builds from the pinned one
     shutil.copytree(checkpoints / "4", checkpoints / "6")

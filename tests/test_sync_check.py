@@ -36,9 +36,10 @@ def checked_run(tmp_path: Path, name: str, *overrides: str) -> tuple[dict, subpr
     # drops the step and redoes it in micro-batches of 2, under the check, where step 5 is checked once
     ("+exp=toy", "precision=bf16", "train.micro_batch_size=auto", "train.max_micro_batch_size=4",
      "data.oom_rank=1", "data.oom_max_items=2", "data.oom_from_call=18"),
-    # padded batches: the attention mask; each layer recomputed in the backward (its random state saved, restored)
+    ("+exp=bert", "data.n_train=256", "data.n_eval=32"),  # padded batches: the attention mask
+    # and each layer run again in the backward (torch's checkpoint saves and restores the random state for it)
     ("+exp=bert", "data.n_train=256", "data.n_eval=32", "model.activation_checkpointing=true"),
-], ids=["toy-fp16", "toy-fp16-sgd", "toy-bf16-auto-oom", "bert"])
+], ids=["toy-fp16", "toy-fp16-sgd", "toy-bf16-auto-oom", "bert", "bert-checkpointed"])
 def test_a_steady_step_would_not_wait_for_a_gpu(tmp_path: Path, request: pytest.FixtureRequest,
                                                 overrides: tuple[str, ...]) -> None:
     if overrides[0] == "+exp=bert":  # a small BERT with the real tokenizer

@@ -31,7 +31,8 @@ if TYPE_CHECKING:
 
 MICRO_BATCH_FILE = "micro_batch.json"  # the auto size in force: a restart or a resume goes on with it
 HEADROOM = 0.10  # the probe leaves this share of the GPU free: fragmentation, longer batches, NCCL buffers
-SMALLER = "use a smaller model, shorter inputs (data.max_length for text) or a lower precision"
+SMALLER = ("use a smaller model, shorter inputs (data.max_length for text), a lower precision, or for the BERT jobs "
+           "model.activation_checkpointing=true")
 
 
 def sizes_to_try(share: int, bound: int) -> list[int]:
