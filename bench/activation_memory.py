@@ -11,17 +11,14 @@ Writes bench/RESULTS-ACTIVATION-MEMORY.md (--out).
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import statistics
-import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 
-from compare import REPO, checked, run_launcher
+from compare import REPO, run_launcher
 
 SETTINGS = {"kept": "model.activation_checkpointing=false", "recomputed": "model.activation_checkpointing=true"}
 
@@ -34,11 +31,9 @@ def model_args(args: argparse.Namespace, cuda: bool) -> tuple[str, ...]:
 
 def auto_micro_batch(setting: str, args: argparse.Namespace, work: Path) -> int:
     """The micro-batch train.micro_batch_size=auto picks for a global batch of --auto-share samples."""
-    run_dir = work / f"auto-{setting}-{time.time_ns()}"
-    checked([sys.executable, "-m", "launcher", "+exp=bench", "precision=bf16", *model_args(args, True), SETTINGS[setting],
-             "train.micro_batch_size=auto", f"train.global_batch_size={args.auto_share}",
-             f"data.n_samples={args.auto_share}", "train.max_steps=1", f"hydra.run.dir={run_dir}"])
-    return json.loads((run_dir / "summary.json").read_text())["micro_batch_size"]
+    return run_launcher("bf16", work, steps=1, extra=(
+        *model_args(args, True), SETTINGS[setting], "train.micro_batch_size=auto",
+        f"train.global_batch_size={args.auto_share}", f"data.n_samples={args.auto_share}"))["micro_batch_size"]
 
 
 def main() -> None:

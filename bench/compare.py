@@ -53,7 +53,7 @@ def run_launcher(precision: str, work: Path, log_every: int = LOG_EVERY, steps: 
     summary, stamps = launcher_stamps(run_dir)
     return {"step_s": per_step(stamps, log_every) if len(stamps) > 2 else None,
             "first_step_s": summary["first_step_unix_time"] - started, "peak_mem_mb": summary["peak_mem_mb"],
-            "stamps": stamps, "first_step_unix_time": summary["first_step_unix_time"],
+            "micro_batch_size": summary["micro_batch_size"], "stamps": stamps, "first_step_unix_time": summary["first_step_unix_time"],
             "compiled": (summary.get("compiled_graphs"), summary.get("compiled_pieces"),  # with train.compile
                          summary.get("graph_breaks"))}
 

@@ -44,7 +44,8 @@ NOT_TRAJECTORY_TRAIN = {"log_every", "eval_every", "ckpt_every", "keep_checkpoin
 
 # model.activation_checkpointing (the BERT jobs) recomputes the activations it drops, the same numbers: a run that
 # ran out of memory may resume with it on
-NOT_TRAJECTORY_MODEL = {"activation_checkpointing"}
+CHECKPOINTING_KEY = "activation_checkpointing"
+NOT_TRAJECTORY_MODEL = {CHECKPOINTING_KEY}
 
 
 def trajectory_config(config: dict[str, Any]) -> dict[str, Any]:

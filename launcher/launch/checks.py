@@ -14,14 +14,13 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
-from launcher.derived import ConfigError
+from launcher.derived import CHECKPOINTING_KEY, ConfigError
 from launcher.rundir import PRETRAINED_KEYS, is_run_dir, newest_checkpoint, pinned_checkpoint
 
 PATH_KEYS = ("path", "eval_path")  # data files a job reads
 COLUMN_KEYS = ("text_fields", "label_field", "text_field")  # columns a tabular file must hold
 LENGTH_KEY = "max_length"  # tokens per sample a text job keeps (data.max_length)
 DROPOUT_KEY = "dropout"  # a probability that overrides the model's (model.dropout)
-CHECKPOINTING_KEY = "activation_checkpointing"  # recompute activations in the backward (model.activation_checkpointing)
 
 
 def _offline() -> bool:
