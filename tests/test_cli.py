@@ -156,6 +156,21 @@ def test_a_slurm_sweep_over_the_micro_batch_is_one_job_array(tmp_path: Path) -> 
             for i in range(3)] == [4, 2, None]
 
 
+def test_a_slurm_sweep_launched_again_queues_only_its_unfinished_points(tmp_path: Path) -> None:
+    """A sweep's command again (after some points finished, others failed or never ran): the finished points
+    start nothing, the rest become the job array (dry run, no cluster needed). Point 0 finished on this host."""
+    sweep, four = tmp_path / "sweep", ("+exp=toy", "train.max_steps=4")
+    assert run_cli(*four, "train.seed=0", f"hydra.run.dir={sweep / '0'}", cwd=tmp_path).returncode == 0
+    config = (sweep / "0" / "config.yaml").read_bytes()
+    out = run_cli("-m", *four, "launcher=slurm", "launcher.dry_run=true", "train.seed=0,1,2",
+                  f"hydra.sweep.dir={sweep}", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert f"run dir {sweep / '0'} already finished: 4 steps" in out.stdout, out.stdout[-2000:]
+    assert "dry run: would submit a job array of 2" in out.stdout
+    assert f"run dir {sweep / '1'}: " in out.stdout and f"run dir {sweep / '2'}: " in out.stdout
+    assert f"run dir {sweep / '0'}: " not in out.stdout and (sweep / "0" / "config.yaml").read_bytes() == config
+
+
 def test_slurm_dependency_and_after_reach_sbatch(tmp_path: Path) -> None:
     """launcher.after=<run dir> reads that run's job id; with launcher.dependency both go to sbatch, and a job
     whose dependency can never be met is cancelled instead of pending forever (dry run: no cluster needed)."""

@@ -5,6 +5,7 @@ data.sleep_s so that a signal or a SIGKILL lands mid-training.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import random
@@ -21,6 +22,7 @@ from safetensors.torch import load_file
 
 from conftest import on_the_cpu_plan, read_metrics, run_cli, subprocess_env
 from launcher.preempt import REQUEUE_EXIT_CODE
+from launcher.rundir import complete_steps
 
 pytestmark = pytest.mark.slow
 STEPS = 120
@@ -232,10 +234,67 @@ def test_resume_policies_fail_fast_in_the_parent(tmp_path: Path) -> None:
     line = one_line_error(run_cli(*COMMON, "train.max_steps=20", "optimizer.lr=0.5", f"hydra.run.dir={done}",
                                   cwd=tmp_path))
     assert "optimizer.lr changed" in line and "resume.allow_config_change=true" in line
+    # The same command again: the run finished, so the parent starts nothing and no file of the run changes
+    files = {name: (done / name).read_bytes() for name in ("summary.json", "metrics.jsonl", "launch.json", "config.yaml")}
+    again = run_cli(*COMMON, "train.max_steps=20", f"hydra.run.dir={done}", cwd=tmp_path)
+    assert again.returncode == 0 and again.stderr == "", again.stderr[-3000:]
+    summary = json.loads(files["summary.json"])
+    assert again.stdout.strip() == (f"run dir {done} already finished: 20 steps, final loss {summary['final_loss']:.4g}, "
+                                    f"eval loss={summary['eval']['loss']:.4g}; nothing to run (to "
+                                    f"train on, raise train.max_steps with resume.allow_config_change=true; to train "
+                                    f"again, use a new hydra.run.dir)")
+    assert files == {name: (done / name).read_bytes() for name in files}
     allowed = run_cli(*COMMON, "train.max_steps=30", "resume.allow_config_change=true", f"hydra.run.dir={done}",
                       cwd=tmp_path)
     assert allowed.returncode == 0 and "resumed from step 20" in allowed.stdout
     assert json.loads((done / "summary.json").read_text())["steps"] == 30
+    line = one_line_error(run_cli(*COMMON, "train.max_steps=10", "resume.allow_config_change=true",
+                                  f"hydra.run.dir={done}", cwd=tmp_path))
+    assert line == (f"error: the latest checkpoint in {done} is step 30, past train.max_steps=10; raise "
+                    f"train.max_steps, or use a new hydra.run.dir")
+
+
+def test_a_start_after_the_final_save_ends_the_run_once(tmp_path: Path) -> None:
+    """Workers that start again after the final save (a rank failed on its way out and torchrun restarted the
+    group, before summary.json was written) train, evaluate and save nothing: the final save holds the run's
+    final loss and eval. The control: a checkpoint of the last step without them, as a preemption saves it."""
+    run_dir, four = tmp_path / "run", ("train.max_steps=4",)
+    finish(start(run_dir, *four), 0)
+    first, metrics = json.loads((run_dir / "summary.json").read_text()), (run_dir / "metrics.jsonl").read_text()
+    (run_dir / "summary.json").unlink()  # the parent starts the workers when there is none
+    out = finish(start(run_dir, *four), 0)
+    assert f"done: the run had trained its 4 steps before this start, final loss {first['final_loss']:.4g}" in out
+    assert (run_dir / "metrics.jsonl").read_text() == metrics  # no second eval record
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert (summary["final_loss"], summary["eval"], summary["resumed_from"]) == (first["final_loss"], first["eval"], 4)
+    assert complete_steps(run_dir) == [4]
+
+    state_file, marker = run_dir / "checkpoints" / "4" / "train_state.pt", run_dir / "checkpoints" / "4" / "COMPLETE"
+    state = torch.load(state_file, weights_only=True)
+    torch.save({**state, "final": None}, state_file)
+    record = json.loads(marker.read_text())
+    record["sha256"]["train_state.pt"] = hashlib.sha256(state_file.read_bytes()).hexdigest()
+    marker.write_text(json.dumps(record))
+    (run_dir / "summary.json").unlink()
+    finish(start(run_dir, *four), 0)
+    evals = [m["eval"] for m in read_metrics(run_dir) if "eval" in m]
+    assert evals == [first["eval"]] * 2  # evaluated again, as the weights are the same: the same numbers
+
+
+def test_an_evaluation_without_training_runs_once_per_config(tmp_path: Path) -> None:
+    """train.max_steps=0 again in its run dir starts nothing; with another config it evaluates again, and its
+    record replaces the earlier start's (a fresh start keeps no record, a step-0 eval included)."""
+    run_dir = tmp_path / "evaluate"
+    finish(start(run_dir, "train.max_steps=0"), 0)
+    files = {name: (run_dir / name).read_bytes() for name in ("summary.json", "metrics.jsonl", "launch.json")}
+    evaluated = json.loads(files["summary.json"])["eval"]
+    again = finish(start(run_dir, "train.max_steps=0"), 0)
+    assert again.strip() == (f"run dir {run_dir} already evaluated without training: eval loss={evaluated['loss']:.4g}; "
+                             f"nothing to run (to evaluate again, use a new hydra.run.dir or resume=never)")
+    assert files == {name: (run_dir / name).read_bytes() for name in files}
+    finish(start(run_dir, "train.max_steps=0", "train.seed=1"), 0)  # other initial weights
+    records = read_metrics(run_dir)
+    assert len(records) == 1 and records[0]["step"] == 0 and records[0]["eval"]["loss"] != evaluated["loss"]
 
 
 def test_consecutive_non_finite_steps_stop_the_run(tmp_path: Path) -> None:

@@ -22,7 +22,7 @@ from launcher.launch.environment import environment_record
 from launcher.launch.errors import release_stderr
 from launcher.launch.local import local_rendezvous, run_local, torchrun_args
 from launcher.launch.plan import Plan, make_plan, resolve, write_config
-from launcher.launch.resume import check_resume
+from launcher.launch.resume import check_resume, finished
 from launcher.launch.slurm import dependency, queue
 from launcher.launch.tracker_start import hydra_point, mark_failed, start_trackers
 from launcher.preempt import REQUEUE_EXIT_CODE
@@ -69,6 +69,10 @@ def main(cfg: DictConfig) -> None:
         config = resolve(cfg, plan)
         check_job_inputs(config, pinned_pretrained(run_dir))
         resume_step = check_resume(run_dir, config)
+        done = finished(run_dir, config, resume_step)
+        if done:  # a rerun of a finished command or sweep starts nothing (a Slurm sweep queues the rest)
+            print(done, flush=True)
+            return
         if cfg.launcher.name == "slurm":
             dependency(config["launcher"])  # launcher.dependency / launcher.after name a job that exists
         trackers = start_trackers(run_dir, config, hydra_point(run_dir), cfg.launcher.dry_run)  # the last check

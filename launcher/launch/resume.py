@@ -1,8 +1,10 @@
-"""Resume policy, checked in the parent before any worker starts: auto, never or must, and no silent
-config change under an existing run. Exercised by: `python -m launcher +exp=toy resume=must`.
+"""Resume policy, checked in the parent before any worker starts: auto, never or must, no silent config
+change under an existing run, and no second start of a run that already finished.
+Exercised by: `python -m launcher +exp=toy resume=must`.
 """
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -36,4 +38,38 @@ def check_resume(run_dir: Path, config: dict[str, Any]) -> int | None:
             raise ConfigError(f"the checkpoints in {run_dir} were trained with a different config "
                               f"({', '.join(changed)} changed); restore it, use a new hydra.run.dir, "
                               f"or set resume.allow_config_change=true")
+    max_steps = config["train"]["max_steps"]
+    if steps[-1] > max_steps:  # the workers would train nothing, and record a second end of the run
+        evaluate = (f" (model.pretrained={run_dir} train.max_steps=0 there evaluates this run)"
+                    if "pretrained" in config.get("model", {}) else "")
+        raise ConfigError(f"the latest checkpoint in {run_dir} is step {steps[-1]}, past train.max_steps={max_steps}; "
+                          f"raise train.max_steps, or use a new hydra.run.dir{evaluate}")
     return steps[-1]
+
+
+def finished(run_dir: Path, config: dict[str, Any], resume_step: int | None) -> str | None:
+    """The line to print instead of starting the workers again when the run dir's run already finished
+    (summary.json, at train.max_steps' checkpoint; None: start them). A second start would train nothing,
+    and record the end of the run a second time: an eval, a summary and the trackers' final values."""
+    max_steps = config["train"]["max_steps"]
+    if config["resume"]["mode"] == "never" or resume_step != (max_steps or None):  # 0 evaluates: no checkpoint
+        return None
+    try:
+        summary = json.loads((run_dir / "summary.json").read_text())
+    except (OSError, ValueError):  # none: the run stopped before its end (or right after its final save)
+        return None
+    if summary.get("preempted") or summary.get("steps") != max_steps:  # (steps: of an earlier, shorter config)
+        return None
+    evaluated = " ".join(f"{k}={v:.4g}" for k, v in (summary.get("eval") or {}).items()) or "none"
+    if max_steps:
+        return (f"run dir {run_dir} already finished: {max_steps} steps, final loss {summary['final_loss']:.4g}, eval "
+                f"{evaluated}; nothing to run (to train on, raise train.max_steps with "
+                f"resume.allow_config_change=true; to train again, use a new hydra.run.dir)")
+    try:  # train.max_steps=0: the same evaluation again, unless the config changed
+        old = trajectory_config(OmegaConf.to_container(OmegaConf.load(run_dir / "config.yaml")))
+    except Exception:  # unreadable: a new evaluation
+        return None
+    if differing_keys(old, trajectory_config(config)):
+        return None
+    return (f"run dir {run_dir} already evaluated without training: eval {evaluated}; nothing to run (to "
+            f"evaluate again, use a new hydra.run.dir or resume=never)")

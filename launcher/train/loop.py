@@ -106,11 +106,12 @@ def timed(loader: Iterable[Window]) -> Iterator[tuple[Window, float]]:
         yield window, time.perf_counter() - started
 
 
-def train(run: Run, progress: Progress, stop: StopFlag) -> dict[str, Any]:
+def train(run: Run, progress: Progress, stop: StopFlag, final: dict[str, Any] | None = None) -> dict[str, Any]:
     """Train from progress.step to max_steps; returns the summary (also written by rank 0).
 
     A preemption request reaches every rank in the next step's all-reduce; the host reads it one step
     later (launcher/train/ledger.py), and there every rank saves the same complete checkpoint and stops.
+    `final`: the final loss and eval that the resumed checkpoint holds when it is the run's final save.
     """
     resumed_from, resumed_samples = progress.step, progress.samples
     windows = StepWindows(run.task, run.data_plan, run.env.rank, run.env.world_size, run.grad_accum_steps)
@@ -197,12 +198,15 @@ def train(run: Run, progress: Progress, stop: StopFlag) -> dict[str, Any]:
                "first_step_unix_time": first_step_at, **compile_counts, **run.sync_check.summary()}
     if preempted:
         return summary
-    run.watchdog.at("final eval", progress.step)
-    summary["eval"] = evaluate(run)
-    if summary["eval"]:
-        run.log.metrics({"step": progress.step, "eval": summary["eval"]}, run.max_steps)
+    if final is not None and progress.step == resumed_from:  # this start began after the final save (workers
+        summary.update(final_loss=final["loss"], eval=final["eval"])  # restarted on their way out): it stands
+    else:  # a checkpoint of the last step that a preemption saved has no eval yet
+        run.watchdog.at("final eval", progress.step)
+        summary["eval"] = evaluate(run)
+        if summary["eval"]:
+            run.log.metrics({"step": progress.step, "eval": summary["eval"]}, run.max_steps)
     if progress.step > resumed_from:  # else the final checkpoint is already there
-        save_checkpoint(run, progress)
+        save_checkpoint(run, progress, final={"loss": loss, "eval": summary["eval"]})
     # train.max_steps=0 evaluates only: no step, no checkpoint
     summary["checkpoint"] = str(run.run_dir / "checkpoints" / str(progress.step)) if progress.step else None
     if run.profiler.dir:
@@ -216,18 +220,19 @@ def step_ledger(run: Run, progress: Progress) -> StepLedger:
     return StepLedger(progress, run.scheduler, run.max_bad_steps, run.run_dir / "checkpoints")
 
 
-def save_checkpoint(run: Run, progress: Progress) -> None:
-    """All ranks enter (RNG states are gathered); rank 0 writes checkpoints/<step>/."""
+def save_checkpoint(run: Run, progress: Progress, final: dict[str, Any] | None = None) -> None:
+    """All ranks enter (RNG states are gathered); rank 0 writes checkpoints/<step>/. `final`: the final save's
+    loss and eval, so that a start from it does not record the run's end again."""
     run.watchdog.at("checkpoint", progress.step)
     write_model_files = getattr(run.task, "write_model_files", None)  # optional in the Task interface
-    checkpoint.save(run.run_dir, progress.step, run.module, train_state(run, progress), run.env.is_main,
+    checkpoint.save(run.run_dir, progress.step, run.module, train_state(run, progress, final), run.env.is_main,
                     run.keep_checkpoints, run.env.device,
                     model_files=write_model_files and (lambda directory: write_model_files(run.module, directory)))
 
 
-def train_state(run: Run, progress: Progress) -> dict[str, Any]:
+def train_state(run: Run, progress: Progress, final: dict[str, Any] | None = None) -> dict[str, Any]:
     """Everything besides the weights that an exact resume needs (RNG states are added by the save)."""
-    return {"progress": asdict(progress), "optimizer": run.optimizer.state_dict(),
+    return {"progress": asdict(progress), "final": final, "optimizer": run.optimizer.state_dict(),
             "scheduler": run.scheduler.state_dict(), "scaler": run.scaler.state_dict(),
             "config_hash": run.config_hash, "world_size": run.env.world_size,
             # train.micro_batch_size=auto's size, kept by a resume (a fixed size comes from the config)

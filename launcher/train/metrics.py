@@ -33,7 +33,8 @@ class RunLog:
         self._slowest: list[int | None] = []  # per log: the rank over the ratio, or None
 
     def start_at(self, step: int, total_steps: int) -> None:
-        """Keep only the records up to `step` (later ones belong to work a restart threw away); open files."""
+        """Keep only the records up to `step` (later ones belong to work a restart threw away; a fresh start, step 0,
+        keeps none: not even an evaluation without training, train.max_steps=0, of an earlier start); open files."""
         if not self.enabled:
             return
         lost = False  # did an earlier start log steps after `step`? The trackers log them again
@@ -41,7 +42,7 @@ class RunLog:
             path = self.run_dir / name
             if path.exists():
                 lines = path.read_text().splitlines()
-                kept = [line for line in lines if json.loads(line)["step"] <= step]
+                kept = [line for line in lines if step and json.loads(line)["step"] <= step]
                 path.write_text("".join(line + "\n" for line in kept))
                 lost = lost or (name == "metrics.jsonl" and len(kept) < len(lines))
         self._metrics = open(self.run_dir / "metrics.jsonl", "a")
@@ -144,6 +145,9 @@ class RunLog:
         if record["steps"] == 0:  # train.max_steps=0
             evaluated = _fmt(record.get("eval")) or "none (the job has no eval set)"
             print(f"done: evaluated without training, eval {evaluated}; run dir {self.run_dir}", flush=True)
+        elif record["resumed_from"] == record["steps"]:  # a start after the final save: nothing was left to do
+            print(f"done: the run had trained its {record['steps']} steps before this start, final loss "
+                  f"{_fmt(record['final_loss'])}; run dir {self.run_dir}", flush=True)
         else:
             print(f"done: {record['steps']} steps in {record['wall_time_s']:.1f}s, final loss "
                   f"{_fmt(record['final_loss'])}; run dir {self.run_dir}", flush=True)
