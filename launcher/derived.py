@@ -39,7 +39,7 @@ NOT_TRAJECTORY_TRAIN = {"log_every", "eval_every", "ckpt_every", "keep_checkpoin
                         "persistent_workers", "prefetch_factor", "compile", "compile_mode",
                         "compile_dynamic", "compile_fullgraph", "compile_ddp_split", "max_bad_steps",
                         "log_samples", "micro_batch_size", "max_micro_batch_size", "profile", "profile_ranks",
-                        "straggler_ratio"}
+                        "straggler_ratio", "best_metric", "best_mode"}
 
 
 # model.activation_checkpointing (the BERT jobs) recomputes the activations it drops, the same numbers: a run that

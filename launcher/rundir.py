@@ -18,6 +18,7 @@ LAUNCH_FILE = "launch.json"  # the parent writes it into every run dir before an
 PRETRAINED_KEYS = ("pretrained", "tokenizer")
 PRETRAINED_FILE = "pretrained.json"  # the checkpoints that such keys naming a run dir stand for, in this run
 HANG_DIR = "hang"  # <run_dir>/hang/rank<N>.txt: a rank's hang report
+BEST_FILE = "best.json"  # train.best_metric: the best eval so far and the step of its checkpoint
 
 
 def write_atomically(path: Path, text: str) -> None:

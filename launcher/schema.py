@@ -55,6 +55,10 @@ class TrainConfig:
     eval_every: int = 0  # 0: evaluate only at the end
     ckpt_every: int = 0  # 0: checkpoint only at the end (and on preemption)
     keep_checkpoints: int = 2  # complete checkpoints kept; older ones are deleted
+    # an eval metric (accuracy, loss, ...): an eval that is its best so far is saved as a checkpoint, which
+    # outlives the rotation (best.json, summary.json say where); best_mode max or min, null: min for a loss
+    best_metric: Optional[str] = None
+    best_mode: Optional[str] = None
     max_bad_steps: int = 20  # consecutive steps with non-finite gradients before the run stops
     num_workers: int = 0  # DataLoader worker processes per rank
     persistent_workers: bool = True  # keep them between epochs of the loader (with num_workers > 0)

@@ -34,7 +34,8 @@ class Task(Protocol):
         """Sums (loss, correct, counts...) that add up exactly across batches and ranks."""
 
     def eval_metrics(self, sums: dict[str, float]) -> dict[str, float]:
-        """Metrics from the global sums, e.g. accuracy = correct / count."""
+        """Metrics from the global sums, e.g. accuracy = correct / count: a function of the sums alone (the
+        worker learns the metrics' names for train.best_metric from sums that are all 1)."""
 
     # Optional: def largest_batch(self, size: int) -> dict[str, torch.Tensor]
     #   `size` training samples as large as a batch of this job gets (the longest sequences, for text):

@@ -46,6 +46,11 @@ CASES = {  # name: (overrides, or a function of tmp_path giving them; what the l
                              "train.max_micro_batch_size=0 must be > 0"),
     "unknown sync check": (["+exp=toy", "train.sync_check=strict"],
                            "train.sync_check=strict is not one of null, warn, error"),
+    "unknown best mode": (["+exp=toy", "train.best_metric=loss", "train.eval_every=2", "train.best_mode=lowest"],
+                          "train.best_mode=lowest is not one of null, max, min"),
+    "best metric without evals": (["+exp=toy", "train.best_metric=loss", "train.eval_every=0"],
+                                  "train.best_metric=loss needs evals during the run: set train.eval_every (it is 0: "
+                                  "only the final eval), or drop train.best_metric"),
     "unknown compile mode": (["+exp=toy", "train.compile=true", "train.compile_mode=fast"],
                              "train.compile_mode=fast is not one of null, default, max-autotune-no-cudagraphs, "
                              "reduce-overhead, max-autotune"),

@@ -23,6 +23,7 @@ from safetensors.torch import load_file
 from conftest import on_the_cpu_plan, read_metrics, run_cli, subprocess_env
 from launcher.preempt import REQUEUE_EXIT_CODE
 from launcher.rundir import complete_steps
+from launcher.train import checkpoint
 
 pytestmark = pytest.mark.slow
 STEPS = 120
@@ -295,6 +296,51 @@ def test_an_evaluation_without_training_runs_once_per_config(tmp_path: Path) -> 
     finish(start(run_dir, "train.max_steps=0", "train.seed=1"), 0)  # other initial weights
     records = read_metrics(run_dir)
     assert len(records) == 1 and records[0]["step"] == 0 and records[0]["eval"]["loss"] != evaluated["loss"]
+
+
+def test_the_best_eval_s_checkpoint_outlives_the_rotation_and_a_resume(tmp_path: Path) -> None:
+    """train.best_metric: an eval that is the best so far is saved as a checkpoint at once, kept beside the newest
+    train.keep_checkpoints, across a resume too; the extra saves change no weight; model.pretrained=<that run dir>
+    builds from it. best_mode=max on the toy's eval loss, which falls: the best is an early eval, not the last."""
+    best = ("train.eval_every=2", "train.ckpt_every=0", "train.keep_checkpoints=1", "train.best_metric=loss",
+            "train.best_mode=max")
+    run_dir, plain = tmp_path / "best", tmp_path / "plain"
+    finish(start(run_dir, "train.max_steps=12", *best), 0)
+    finish(start(plain, "train.max_steps=12", "train.eval_every=2", "train.ckpt_every=2", "train.keep_checkpoints=6"), 0)
+
+    def expected_best() -> tuple[int, float]:  # the first of the highest eval losses, from the records
+        evals = [(m["step"], m["eval"]["loss"]) for m in read_metrics(run_dir) if "eval" in m]
+        return min(evals, key=lambda e: (-e[1], e[0]))
+
+    step, value = expected_best()
+    assert step < 12 and complete_steps(run_dir) == [step, 12]
+    record = {"metric": "loss", "mode": "max", "step": step, "value": value,
+              "checkpoint": str(run_dir / "checkpoints" / str(step))}
+    assert json.loads((run_dir / "best.json").read_text()) == record
+    assert json.loads((run_dir / "summary.json").read_text())["best"] == record
+    assert bitwise_equal(weights(run_dir, step), weights(plain, step))
+    assert bitwise_equal(weights(run_dir, 12), weights(plain, 12))
+
+    # On to step 16: the resumed checkpoint's best goes on, and still protects its checkpoint from the rotation
+    finish(start(run_dir, "train.max_steps=16", "resume.allow_config_change=true", *best), 0)
+    assert expected_best() == (step, value) and complete_steps(run_dir) == [step, 16]
+    assert json.loads((run_dir / "summary.json").read_text())["best"] == record
+
+    choose = lambda: checkpoint._choose_pretrained(tmp_path / "next", {"model": {"pretrained": str(run_dir)}},  # noqa: E731
+                                                   True, print)["model"]["pretrained"]
+    (tmp_path / "next").mkdir()
+    assert choose() == record["checkpoint"]
+    (tmp_path / "next" / "pretrained.json").unlink()  # a new first start, of a run that tracked no best:
+    (run_dir / "best.json").unlink()
+    assert choose() == str(run_dir / "checkpoints" / "16")  # the newest
+
+
+def test_a_best_metric_the_job_does_not_have_fails_before_the_first_step(tmp_path: Path) -> None:
+    out = run_cli(*COMMON, "train.eval_every=2", "train.best_metric=accuracy", f"hydra.run.dir={tmp_path / 'run'}",
+                  cwd=tmp_path)
+    assert out.returncode == 1 and not (tmp_path / "run" / "checkpoints").exists()
+    assert re.search(r"^error: rank \d failed: ValueError: train\.best_metric=accuracy is not an eval metric of this "
+                     r"job \(loss\); name one of them, or null", out.stderr.strip().splitlines()[-1]), out.stderr[-2000:]
 
 
 def test_consecutive_non_finite_steps_stop_the_run(tmp_path: Path) -> None:

@@ -126,6 +126,11 @@ def make_plan(cfg: DictConfig) -> Plan:
     fewest, nnodes, nproc, device_type = _shape(cfg)
     if cfg.train.sync_check not in (None, "warn", "error"):
         raise ConfigError(f"train.sync_check={cfg.train.sync_check} is not one of null, warn, error")
+    if cfg.train.best_mode not in (None, "max", "min"):
+        raise ConfigError(f"train.best_mode={cfg.train.best_mode} is not one of null, max, min")
+    if cfg.train.best_metric and not cfg.train.eval_every:  # the one eval, at the end: its checkpoint is the last
+        raise ConfigError(f"train.best_metric={cfg.train.best_metric} needs evals during the run: set "
+                          f"train.eval_every (it is 0: only the final eval), or drop train.best_metric")
     if cfg.dist.comm_hook not in (None, "fp16", "bf16"):
         raise ConfigError(f"dist.comm_hook={cfg.dist.comm_hook} is not one of null, fp16, bf16")
     backend = cfg.dist.backend

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_model, save_model
 
-from launcher.rundir import (MARKER, PRETRAINED_FILE, PRETRAINED_KEYS, complete_steps, is_run_dir,
+from launcher.rundir import (BEST_FILE, MARKER, PRETRAINED_FILE, PRETRAINED_KEYS, complete_steps, is_run_dir,
                              pinned_checkpoint, pinned_pretrained, write_atomically)
 from launcher.train.dist import all_gather_objects
 
@@ -68,8 +68,10 @@ def _fsync(path: Path) -> None:
 
 
 def save(run_dir: Path, step: int, model: torch.nn.Module, train_state: dict[str, Any], is_main: bool,
-         keep: int, device: torch.device, model_files: Callable[[Path], None] | None = None) -> Path:
+         keep: int, device: torch.device, model_files: Callable[[Path], None] | None = None,
+         also_keep: int | None = None) -> Path:
     """Every rank calls this (it gathers every rank's RNG state); rank 0 writes; all wait for the files.
+    The newest `keep` checkpoints stay, and the one of step `also_keep` (train.best_metric's best).
     `model_files` writes what the job keeps beside the weights (a transformers job: config.json and the
     tokenizer, which make the checkpoint a save_pretrained dir)."""
     rng_states = all_gather_objects(rng_state(device))
@@ -92,7 +94,8 @@ def save(run_dir: Path, step: int, model: torch.nn.Module, train_state: dict[str
         os.replace(tmp, final)  # atomic: a reader sees no dir or a complete one
         _fsync(root)
         for old in complete_steps(run_dir)[:-keep]:
-            shutil.rmtree(root / str(old))
+            if old != also_keep:
+                shutil.rmtree(root / str(old))
     dist.barrier()
     return final
 
@@ -122,6 +125,15 @@ def _newest_usable(run_dir: Path, warn: Callable[[str], None]) -> Path | None:
     return next((step_dir for step_dir in newest_first if _usable(step_dir, warn)), None)
 
 
+def _best_usable(run_dir: Path, warn: Callable[[str], None]) -> Path | None:
+    """The checkpoint of the best eval of a run that tracked one (train.best_metric), if it reads back whole."""
+    try:
+        step_dir = run_dir / "checkpoints" / str(json.loads((run_dir / BEST_FILE).read_text())["step"])
+    except (OSError, ValueError, KeyError):  # no best.json: the run tracked no best
+        return None
+    return step_dir if (step_dir / MARKER).is_file() and _usable(step_dir, warn) else None
+
+
 def load_latest(run_dir: Path, model: torch.nn.Module, warn: Callable[[str], None]) -> dict[str, Any] | None:
     """Load the newest readable checkpoint into model (all ranks agree on rank 0's choice).
 
@@ -141,10 +153,11 @@ def pretrained_sources(run_dir: Path, sections: dict[str, Any], resume: bool,
                        warn: Callable[[str], None]) -> dict[str, dict[str, str]]:
     """{"model": {"pretrained": checkpoint dir}, "data": {...}}: what each key of PRETRAINED_KEYS that names a run
     dir (model.pretrained=runs/pretrain) stands for, chosen by rank 0 and the same on every rank. At this run's
-    first start it is that run's newest usable checkpoint, kept in <run dir>/pretrained.json: a restart, a
-    requeue or a resume builds from the same one, or, should it be gone, from this run's own newest checkpoint
-    (a save_pretrained dir as well, whose weights the resume loads anyway). Rank 0's error is every rank's: the
-    others would otherwise wait in the broadcast (other nodes' ranks until dist.startup_timeout_s)."""
+    first start it is that run's best checkpoint (train.best_metric), else its newest usable one, kept in
+    <run dir>/pretrained.json: a restart, a requeue or a resume builds from the same one, or, should it be gone,
+    from this run's own newest checkpoint (a save_pretrained dir as well, whose weights the resume loads anyway).
+    Rank 0's error is every rank's: the others would otherwise wait in the broadcast (other nodes' ranks until
+    dist.startup_timeout_s)."""
     choice: list[Any] = [None]
     if dist.get_rank() == 0:
         try:
@@ -171,7 +184,7 @@ def _choose_pretrained(run_dir: Path, sections: dict[str, Any], resume: bool,
             if source is None:  # this run's first start with this value (data.tokenizer is often model.pretrained)
                 run = Path(value).resolve()
                 if run not in newest_of:
-                    newest_of[run] = _newest_usable(run, warn)
+                    newest_of[run] = _best_usable(run, warn) or _newest_usable(run, warn)
                 if newest_of[run] is None:
                     raise ValueError(f"{name}={value} is a run dir without a usable checkpoint; train it first")
                 source = str(newest_of[run])

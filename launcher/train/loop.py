@@ -18,6 +18,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from launcher.preempt import StopFlag, ignore_in_data_workers
 from launcher.task import Task, to_device
 from launcher.train import checkpoint, compiled, micro_batch
+from launcher.train.best import Best
 from launcher.train.data import DataPlan, StepWindows, Window, WindowStream, eval_batches, window_loader
 from launcher.train.dist import DistEnv, all_gather_objects, all_reduce_sum, training_timeout
 from launcher.train.ledger import Progress, StepLedger
@@ -65,6 +66,7 @@ class Run:
     profiler: StepProfiler  # records train.profile's steps (launcher/train/profile.py)
     compile_watch: compiled.CompileWatch  # what torch.compile compiled since the last log (launcher/train/compiled.py)
     sync_check: SyncCheck  # train.sync_check: what makes a steady step wait for the GPU (launcher/train/sync_check.py)
+    best: Best  # train.best_metric: the best eval so far, whose checkpoint is kept (launcher/train/best.py)
 
 
 @torch.no_grad()
@@ -180,10 +182,13 @@ def train(run: Run, progress: Progress, stop: StopFlag, final: dict[str, Any] | 
             torch.distributed.barrier()
             preempted = True
             break
+        best_now = False
         if eval_now:
             run.watchdog.at("eval", step)
-            run.log.metrics({"step": step, "eval": evaluate(run)}, run.max_steps)
-        if ckpt_now:
+            metrics = evaluate(run)
+            run.log.metrics({"step": step, "eval": metrics}, run.max_steps)
+            best_now = run.best.improved(step, metrics)  # the same on every rank: the metrics are all-reduced
+        if ckpt_now or best_now:
             save_checkpoint(run, progress)
 
     wall = time.perf_counter() - started
@@ -205,10 +210,13 @@ def train(run: Run, progress: Progress, stop: StopFlag, final: dict[str, Any] | 
         summary["eval"] = evaluate(run)
         if summary["eval"]:
             run.log.metrics({"step": progress.step, "eval": summary["eval"]}, run.max_steps)
+            run.best.improved(progress.step, summary["eval"])
     if progress.step > resumed_from:  # else the final checkpoint is already there
         save_checkpoint(run, progress, final={"loss": loss, "eval": summary["eval"]})
     # train.max_steps=0 evaluates only: no step, no checkpoint
     summary["checkpoint"] = str(run.run_dir / "checkpoints" / str(progress.step)) if progress.step else None
+    if run.best.metric and progress.step:
+        summary["best"] = run.best.record(run.run_dir)
     if run.profiler.dir:
         summary["profile"] = str(run.profiler.dir)
     run.log.summary(summary)
@@ -226,13 +234,15 @@ def save_checkpoint(run: Run, progress: Progress, final: dict[str, Any] | None =
     run.watchdog.at("checkpoint", progress.step)
     write_model_files = getattr(run.task, "write_model_files", None)  # optional in the Task interface
     checkpoint.save(run.run_dir, progress.step, run.module, train_state(run, progress, final), run.env.is_main,
-                    run.keep_checkpoints, run.env.device,
+                    run.keep_checkpoints, run.env.device, also_keep=run.best.step,
                     model_files=write_model_files and (lambda directory: write_model_files(run.module, directory)))
+    if run.env.is_main:  # the checkpoint that holds this best is complete (the save ends in a barrier)
+        run.best.write(run.run_dir)
 
 
 def train_state(run: Run, progress: Progress, final: dict[str, Any] | None = None) -> dict[str, Any]:
     """Everything besides the weights that an exact resume needs (RNG states are added by the save)."""
-    return {"progress": asdict(progress), "final": final, "optimizer": run.optimizer.state_dict(),
+    return {"progress": asdict(progress), "final": final, "best": run.best.state(), "optimizer": run.optimizer.state_dict(),
             "scheduler": run.scheduler.state_dict(), "scaler": run.scaler.state_dict(),
             "config_hash": run.config_hash, "world_size": run.env.world_size,
             # train.micro_batch_size=auto's size, kept by a resume (a fixed size comes from the config)

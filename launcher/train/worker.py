@@ -24,6 +24,7 @@ from launcher.derived import NODE_CONFIG, config_hash, differing_keys, grad_accu
 from launcher.preempt import REQUEUE_EXIT_CODE, StopFlag, preemption_signals
 from launcher.train import checkpoint, micro_batch
 from launcher.train import dist as launcher_dist
+from launcher.train.best import Best
 from launcher.train.compiled import CompileWatch, compile_module, failures_in_one_line
 from launcher.train.data import DataPlan, rank_seed, seed_all
 from launcher.train.ledger import Progress
@@ -103,11 +104,23 @@ def build(cfg: DictConfig, run_dir: Path, env: launcher_dist.DistEnv) -> Run:
               config_hash=config_hash(OmegaConf.to_container(cfg)),
               watchdog=Watchdog(run_dir, env.rank, cfg.dist.hang_timeout_s),
               compile_watch=CompileWatch(train_cfg.compile, train_cfg.compile_mode),
-              sync_check=SyncCheck(train_cfg.sync_check, env.device),
+              sync_check=SyncCheck(train_cfg.sync_check, env.device), best=best_eval(task, train_cfg),
               profiler=StepProfiler(run_dir, env.rank, train_cfg.profile, list(train_cfg.profile_ranks), env.device))
     if "pretrained" in sources["model"]:
         run.log.info(f"model.pretrained={cfg.model.pretrained}: from checkpoint {sources['model']['pretrained']}")
     return run
+
+
+def best_eval(task: Any, train_cfg: DictConfig) -> Best:
+    """train.best_metric, checked against the job's eval metrics before the first step (their names come from
+    eval_metrics, a function of the eval sums)."""
+    metric = train_cfg.best_metric
+    if metric:
+        names = [] if task.eval_set is None else list(task.eval_metrics({k: 1.0 for k in task.eval_sum_keys}))
+        if metric not in names:
+            raise ValueError(f"train.best_metric={metric} is not an eval metric of this job "
+                             f"({', '.join(names) or 'it has no eval set'}); name one of them, or null")
+    return Best(metric, train_cfg.best_mode)
 
 
 def restore(run: Run, state: dict[str, Any] | None, seed: int, allow_config_change: bool) -> Progress:
@@ -122,6 +135,7 @@ def restore(run: Run, state: dict[str, Any] | None, seed: int, allow_config_chan
     if state["scaler"] and run.scaler.is_enabled():
         run.scaler.load_state_dict(state["scaler"])
     progress = Progress(**state["progress"])
+    run.best.load(state.get("best"))
     if len(state["rng"]) == run.env.world_size:  # the same ranks: continue each rank's random stream
         checkpoint.set_rng_state(state["rng"][run.env.rank], run.env.device)
     else:  # another world size: fresh, still deterministic per-rank streams

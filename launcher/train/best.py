@@ -1,0 +1,62 @@
+"""train.best_metric: which eval so far was the best, so that its checkpoint outlives the rotation.
+
+Every rank holds the same all-reduced eval metrics, so every rank decides alike, with no collective of its
+own. An eval that improves on the best is saved as a checkpoint at once (an eval step need not be a
+checkpoint step); train.keep_checkpoints then keeps the newest ones plus that one. The state travels in
+every checkpoint, so a resume goes on comparing with the best before it, and rank 0 writes it to
+<run_dir>/best.json at each save. Exercised by: tests/test_resume.py (the best checkpoint kept).
+"""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from launcher.rundir import BEST_FILE, write_atomically
+
+
+def best_mode(metric: str, mode: str | None) -> str:
+    """max or min; unset, a loss (a name ending in loss) is best at its min, anything else at its max."""
+    return mode or ("min" if metric.endswith("loss") else "max")
+
+
+class Best:
+    def __init__(self, metric: str | None, mode: str | None):
+        self.metric = metric
+        self.mode = best_mode(metric, mode) if metric else None
+        self.step: int | None = None  # the step of the best eval so far (its checkpoint is kept)
+        self.value: float | None = None
+
+    def improved(self, step: int, metrics: dict[str, float]) -> bool:
+        """Whether this step's eval is the best so far (strictly: of equal ones the first stays); it becomes the best."""
+        if not self.metric:
+            return False
+        value = metrics[self.metric]
+        better = not math.isnan(value) and (self.value is None or
+                                            (value > self.value if self.mode == "max" else value < self.value))
+        if better:
+            self.step, self.value = step, value
+        return better
+
+    def state(self) -> dict[str, Any] | None:
+        if self.step is None:
+            return None
+        return {"metric": self.metric, "mode": self.mode, "step": self.step, "value": self.value}
+
+    def load(self, state: dict[str, Any] | None) -> None:
+        """What the resumed checkpoint recorded, when it tracked the same metric the same way (the keys are no
+        part of the trajectory: a resume may change them, and then compares from its next eval on)."""
+        if state and (state["metric"], state["mode"]) == (self.metric, self.mode):
+            self.step, self.value = state["step"], state["value"]
+
+    def record(self, run_dir: Path) -> dict[str, Any] | None:
+        """The best so far for best.json and summary.json (None while there is none)."""
+        state = self.state()
+        return state and {**state, "checkpoint": str(run_dir / "checkpoints" / str(self.step))}
+
+    def write(self, run_dir: Path) -> None:
+        """Rank 0, once the checkpoint that holds this state is complete."""
+        record = self.record(run_dir)
+        if record:
+            write_atomically(run_dir / BEST_FILE, json.dumps(record, indent=2) + "\n")
