@@ -1,7 +1,7 @@
 """The run dir's shared file names and their readers: what the workers write there (complete
 checkpoints, hang reports) as the parent reads it back, for resume, status and the error line; a run dir
-named where a pretrained model is expected (its newest checkpoint); and the one way both sides replace a
-small run-dir file (write_atomically).
+named where a pretrained model is expected (its newest checkpoint; the workers prefer its best, best.json);
+and the one way both sides replace a small run-dir file (write_atomically).
 Exercised by: tests/test_resume.py, tests/test_hang.py, tests/test_pretrained_runs.py and
 `python -m launcher.launch.status <run dir>`.
 """

@@ -48,6 +48,8 @@ CASES = {  # name: (overrides, or a function of tmp_path giving them; what the l
                            "train.sync_check=strict is not one of null, warn, error"),
     "unknown best mode": (["+exp=toy", "train.best_metric=loss", "train.eval_every=2", "train.best_mode=lowest"],
                           "train.best_mode=lowest is not one of null, max, min"),
+    "best mode without a metric": (["+exp=toy", "train.best_mode=min"],
+                                   "train.best_mode=min has no effect without train.best_metric"),
     "best metric without evals": (["+exp=toy", "train.best_metric=loss", "train.eval_every=0"],
                                   "train.best_metric=loss needs evals during the run: set train.eval_every (it is 0: "
                                   "only the final eval), or drop train.best_metric"),

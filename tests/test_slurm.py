@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import REPO, assert_same_float64_weights, read_metrics, run_cli, subprocess_env
-from launcher.launch.status import slurm_state
+from launcher.launch.slurm import slurm_state
 
 pytestmark = pytest.mark.slow
 TOY = ("+exp=toy", "train.max_steps=40", "train.log_every=1", "train.eval_every=0", "train.global_batch_size=16",
@@ -114,6 +114,11 @@ def test_sweep_is_one_job_array_and_a_raising_point_fails(cluster, tmp_path: Pat
                             text=True, env=subprocess_env())
     rows = status.stdout.strip().splitlines()[1:]
     assert len(rows) == 4 and all(" COMPLETED " in row and " 40 " in row for row in rows), status.stdout
+    # The sweep's command again: every point finished, so nothing is submitted
+    again = run_cli("-m", *TOY, "launcher=slurm", "launcher.array_parallelism=2", f"hydra.sweep.dir={sweep}",
+                    "optimizer.lr=1e-3,2e-3", "train.seed=0,1", cwd=tmp_path)
+    assert again.returncode == 0 and "submitted job" not in again.stdout, again.stdout[-2000:] + again.stderr[-2000:]
+    assert sorted(re.findall(r"run dir (\S+) already finished: 40 steps", again.stdout)) == sorted(map(str, jobs.values()))
 
     failing = tmp_path / "failing"
     out = run_cli("-m", *TOY, "launcher=slurm", "launcher.wait=true", "train.max_bad_steps=2",
@@ -231,6 +236,12 @@ def test_launcher_after_starts_a_job_once_the_named_run_completed(cluster, tmp_p
     ((job_b, _),) = submitted(out.stdout).items()
     reason = subprocess.run(["squeue", "-h", "-j", job_b, "-o", "%T %r"], capture_output=True, text=True).stdout
     assert reason.split() == ["PENDING", "Dependency"], (reason, slurm_state(job_a))
+    # B's command again while B waits: a second job in B's run dir would train beside it, so none is submitted
+    b_again = (*TOY, "launcher=slurm", f"launcher.after={run_a}", f"hydra.run.dir={tmp_path / 'b'}")
+    again = run_cli(*b_again, cwd=tmp_path)
+    assert again.returncode == 0 and "submitted job" not in again.stdout, again.stdout[-2000:] + again.stderr[-2000:]
+    assert f"run dir {tmp_path / 'b'}: its job {job_b} is PENDING; nothing to start" in again.stdout
     assert final_state(job_a, timeout_s=300) == "COMPLETED"
     assert final_state(job_b, timeout_s=300) == "COMPLETED"
     assert sacct_times(job_b)[0] >= sacct_times(job_a)[1]  # B started once A had ended
+    assert f"run dir {tmp_path / 'b'} already finished: 40 steps" in run_cli(*b_again, cwd=tmp_path).stdout

@@ -85,9 +85,9 @@ def check_job_inputs(config: dict[str, Any], pinned: dict[str, dict[str, str]]) 
 
 
 def _check_pretrained_run(key: str, run_dir: str, after: str | None) -> None:
-    """A run dir as a pretrained model at a run's first start: the workers build from its newest complete
-    checkpoint, which must be a save_pretrained dir; a run whose job this one waits for (launcher.after) has
-    none yet."""
+    """A run dir as a pretrained model at a run's first start: the workers build from its best (train.best_metric)
+    or newest complete checkpoint, which must be a save_pretrained dir (the newest stands for all of that run's
+    checkpoints: one job writes them); a run whose job this one waits for (launcher.after) has none yet."""
     newest = newest_checkpoint(Path(run_dir))
     if newest is None:
         if after and Path(after).resolve() == Path(run_dir).resolve():
@@ -115,7 +115,8 @@ def _run_config(run_dir: Path) -> dict[str, Any]:
 
 def _model_source(pretrained: Any, pinned: dict[str, dict[str, str]]) -> Any:
     """What model.pretrained loads from, as far as the parent can tell: for a run dir the checkpoint it stands
-    for (the pinned one, else its newest; None while it has none), else the value itself."""
+    for (the pinned one, else its newest, a checkpoint of the same model as its best; None while it has none),
+    else the value itself."""
     if not is_run_dir(pretrained):
         return pretrained
     checkpoint = pinned_checkpoint(pinned, "model.pretrained", pretrained) or newest_checkpoint(Path(pretrained))

@@ -23,7 +23,7 @@ from launcher.launch.errors import release_stderr
 from launcher.launch.local import local_rendezvous, run_local, torchrun_args
 from launcher.launch.plan import Plan, make_plan, resolve, write_config
 from launcher.launch.resume import check_resume, finished
-from launcher.launch.slurm import dependency, queue
+from launcher.launch.slurm import active_job, dependency, queue
 from launcher.launch.tracker_start import hydra_point, mark_failed, start_trackers
 from launcher.preempt import REQUEUE_EXIT_CODE
 from launcher.redact import redact_override
@@ -67,12 +67,16 @@ def main(cfg: DictConfig) -> None:
         if plan.nnodes > 1 and cfg.launcher.name == "local":
             shared_run_dir(plan.nnodes)
         config = resolve(cfg, plan)
-        check_job_inputs(config, pinned_pretrained(run_dir))
         resume_step = check_resume(run_dir, config)
+        # A finished run, or one whose Slurm job goes on, starts nothing: the command of a sweep whose points ended
+        # apart (some failed, some were cancelled) runs again as a whole and queues only what is left
         done = finished(run_dir, config, resume_step)
-        if done:  # a rerun of a finished command or sweep starts nothing (a Slurm sweep queues the rest)
-            print(done, flush=True)
+        active = None if done else active_job(run_dir)
+        if done or active:
+            print(done or f"run dir {run_dir}: its {active}; nothing to start (it resumes there by itself; scancel "
+                          f"it first to start this command instead)", flush=True)
             return
+        check_job_inputs(config, pinned_pretrained(run_dir))  # (inputs of a finished run may be gone meanwhile)
         if cfg.launcher.name == "slurm":
             dependency(config["launcher"])  # launcher.dependency / launcher.after name a job that exists
         trackers = start_trackers(run_dir, config, hydra_point(run_dir), cfg.launcher.dry_run)  # the last check

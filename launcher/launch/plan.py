@@ -128,7 +128,11 @@ def make_plan(cfg: DictConfig) -> Plan:
         raise ConfigError(f"train.sync_check={cfg.train.sync_check} is not one of null, warn, error")
     if cfg.train.best_mode not in (None, "max", "min"):
         raise ConfigError(f"train.best_mode={cfg.train.best_mode} is not one of null, max, min")
-    if cfg.train.best_metric and not cfg.train.eval_every:  # the one eval, at the end: its checkpoint is the last
+    if cfg.train.best_mode and not cfg.train.best_metric:
+        raise ConfigError(f"train.best_mode={cfg.train.best_mode} has no effect without train.best_metric (an eval "
+                          f"metric, e.g. accuracy)")
+    # the one eval at the end: its checkpoint is the last one anyway (train.max_steps=0 keeps none)
+    if cfg.train.best_metric and not cfg.train.eval_every and cfg.train.max_steps:
         raise ConfigError(f"train.best_metric={cfg.train.best_metric} needs evals during the run: set "
                           f"train.eval_every (it is 0: only the final eval), or drop train.best_metric")
     if cfg.dist.comm_hook not in (None, "fp16", "bf16"):

@@ -10,7 +10,7 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
-from launcher.derived import ConfigError, differing_keys, trajectory_config
+from launcher.derived import ConfigError, config_hash, differing_keys, trajectory_config
 from launcher.rundir import complete_steps
 
 
@@ -40,7 +40,7 @@ def check_resume(run_dir: Path, config: dict[str, Any]) -> int | None:
                               f"or set resume.allow_config_change=true")
     max_steps = config["train"]["max_steps"]
     if steps[-1] > max_steps:  # the workers would train nothing, and record a second end of the run
-        evaluate = (f" (model.pretrained={run_dir} train.max_steps=0 there evaluates this run)"
+        evaluate = (f" (with model.pretrained={run_dir} train.max_steps=0 it evaluates this run)"
                     if "pretrained" in config.get("model", {}) else "")
         raise ConfigError(f"the latest checkpoint in {run_dir} is step {steps[-1]}, past train.max_steps={max_steps}; "
                           f"raise train.max_steps, or use a new hydra.run.dir{evaluate}")
@@ -65,11 +65,7 @@ def finished(run_dir: Path, config: dict[str, Any], resume_step: int | None) -> 
         return (f"run dir {run_dir} already finished: {max_steps} steps, final loss {summary['final_loss']:.4g}, eval "
                 f"{evaluated}; nothing to run (to train on, raise train.max_steps with "
                 f"resume.allow_config_change=true; to train again, use a new hydra.run.dir)")
-    try:  # train.max_steps=0: the same evaluation again, unless the config changed
-        old = trajectory_config(OmegaConf.to_container(OmegaConf.load(run_dir / "config.yaml")))
-    except Exception:  # unreadable: a new evaluation
-        return None
-    if differing_keys(old, trajectory_config(config)):
+    if summary.get("config_hash") != config_hash(config):  # train.max_steps=0 with another config: a new evaluation
         return None
     return (f"run dir {run_dir} already evaluated without training: eval {evaluated}; nothing to run (to "
             f"evaluate again, use a new hydra.run.dir or resume=never)")

@@ -38,6 +38,31 @@ class Submission:
 
 
 QUEUE: list[Submission] = []  # filled by the Hydra task for each run; submitted once Hydra is done
+# A job in these states still runs in its run dir, or will: a second one there would train beside it
+ACTIVE = {"PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "RESIZING",
+          "SUSPENDED", "SIGNALING", "STAGE_OUT", "STOPPED"}
+
+
+def slurm_state(job_id: str) -> str:
+    """The job's state from accounting (sacct), else from the queue (squeue)."""
+    for cmd in (["sacct", "-n", "-X", "-P", "-o", "State", "-j", job_id], ["squeue", "-h", "-o", "%T", "-j", job_id]):
+        try:
+            out = subprocess.run(cmd, capture_output=True, text=True, timeout=30).stdout.split()
+        except (OSError, subprocess.TimeoutExpired):
+            continue
+        if out:
+            return out[0]
+    return "UNKNOWN"
+
+
+def active_job(run_dir: Path) -> str | None:
+    """"job <id> is <state>" when the run dir's Slurm job has not ended (None: none, or it ended)."""
+    record = run_dir / JOB_FILE
+    if not record.is_file():
+        return None
+    job_id = json.loads(record.read_text())["job_id"]
+    state = slurm_state(job_id)
+    return f"job {job_id} is {state}" if state in ACTIVE else None
 
 
 def queue(run_dir: Path, config_path: Path, plan: Plan, launcher: DictConfig) -> None:

@@ -4,12 +4,11 @@ last eval metrics and the latest complete checkpoint.
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
-from launcher.launch.slurm import JOB_FILE
+from launcher.launch.slurm import JOB_FILE, slurm_state
 from launcher.preempt import PREEMPTED_FILE
 from launcher.rundir import complete_steps
 
@@ -20,18 +19,6 @@ def run_dirs(root: Path) -> list[Path]:
         return [root]
     found = [p.parent for p in root.rglob("config.yaml") if p.parent.name != ".hydra"]
     return sorted(found, key=lambda p: (len(p.parts), p.name.zfill(8), str(p)))
-
-
-def slurm_state(job_id: str) -> str:
-    """The job's state from accounting (sacct), else from the queue (squeue)."""
-    for cmd in (["sacct", "-n", "-X", "-P", "-o", "State", "-j", job_id], ["squeue", "-h", "-o", "%T", "-j", job_id]):
-        try:
-            out = subprocess.run(cmd, capture_output=True, text=True, timeout=30).stdout.split()
-        except (OSError, subprocess.TimeoutExpired):
-            continue
-        if out:
-            return out[0]
-    return "UNKNOWN"
 
 
 def describe(run_dir: Path) -> dict[str, Any]:

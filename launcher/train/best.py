@@ -22,6 +22,8 @@ def best_mode(metric: str, mode: str | None) -> str:
 
 
 class Best:
+    """The best eval so far of one metric (none without train.best_metric)."""
+
     def __init__(self, metric: str | None, mode: str | None):
         self.metric = metric
         self.mode = best_mode(metric, mode) if metric else None
@@ -56,7 +58,10 @@ class Best:
         return state and {**state, "checkpoint": str(run_dir / "checkpoints" / str(self.step))}
 
     def write(self, run_dir: Path) -> None:
-        """Rank 0, once the checkpoint that holds this state is complete."""
+        """Rank 0, once the checkpoint that holds this state is complete. None yet (or no metric, or another one
+        than before a resume): no best.json, which model.pretrained=<run dir> would take for the best."""
         record = self.record(run_dir)
         if record:
             write_atomically(run_dir / BEST_FILE, json.dumps(record, indent=2) + "\n")
+        else:
+            (run_dir / BEST_FILE).unlink(missing_ok=True)

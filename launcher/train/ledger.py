@@ -27,6 +27,8 @@ class Progress:
     samples: int = 0  # samples consumed
     skipped_steps: int = 0
     bad_in_a_row: int = 0  # consecutive steps with non-finite gradients
+    last_loss: float = float("nan")  # the loss last logged (the summary's final loss, also after a restart)
+    eval_due: bool = False  # a preemption came at an eval step: the resumed start evaluates it first
 
 
 class HostCopy:

@@ -108,14 +108,18 @@ def timed(loader: Iterable[Window]) -> Iterator[tuple[Window, float]]:
         yield window, time.perf_counter() - started
 
 
-def train(run: Run, progress: Progress, stop: StopFlag, final: dict[str, Any] | None = None) -> dict[str, Any]:
+def train(run: Run, progress: Progress, stop: StopFlag, final_eval: dict[str, float] | None = None) -> dict[str, Any]:
     """Train from progress.step to max_steps; returns the summary (also written by rank 0).
 
     A preemption request reaches every rank in the next step's all-reduce; the host reads it one step
     later (launcher/train/ledger.py), and there every rank saves the same complete checkpoint and stops.
-    `final`: the final loss and eval that the resumed checkpoint holds when it is the run's final save.
+    `final_eval`: the eval that the resumed checkpoint holds when it is the run's final save.
     """
     resumed_from, resumed_samples = progress.step, progress.samples
+    if progress.eval_due:  # the preemption's checkpoint holds the weights that eval was due on
+        if record_eval(run, progress.step) and run.env.is_main:  # its checkpoint (the resumed one) is the best
+            run.best.write(run.run_dir)
+        progress.eval_due = False
     windows = StepWindows(run.task, run.data_plan, run.env.rank, run.env.world_size, run.grad_accum_steps)
     loader = partial(window_loader, num_workers=run.num_workers, pin_memory=run.env.device.type == "cuda",
                      persistent_workers=run.persistent_workers, prefetch_factor=run.prefetch_factor,
@@ -124,7 +128,7 @@ def train(run: Run, progress: Progress, stop: StopFlag, final: dict[str, Any] | 
     meter = Meter(run.env.device, training_flops_per_item(run.module),
                   peak_flops(run.env.device, run.precision.name), run.env.rank, run.env.world_size)
     ledger = step_ledger(run, progress)
-    started, loss, preempted, first_step_at = time.perf_counter(), float("nan"), False, None
+    started, preempted, first_step_at = time.perf_counter(), False, None
     compile_counts: dict[str, int] = {}
     for window, data_wait_s in timed(stream):
         step = progress.step + 1
@@ -172,27 +176,23 @@ def train(run: Run, progress: Progress, stop: StopFlag, final: dict[str, Any] | 
                 record.update(compile_counts)
                 for warning in warnings:
                     run.log.warn(f"step {step}: {warning}")
-            loss = record["loss"]
+            progress.last_loss = record["loss"]
             run.log.metrics(record, run.max_steps)
 
         if ledger.stop:  # agreed by all ranks, read by all at the same step
+            progress.eval_due = bool(eval_now)  # no time for it now: the next start evaluates these weights
             save_checkpoint(run, progress)
             run.log.preempted(step, stop.signum)
             # No rank exits before the marker exists: a node's launcher reads it once its workers exit.
             torch.distributed.barrier()
             preempted = True
             break
-        best_now = False
-        if eval_now:
-            run.watchdog.at("eval", step)
-            metrics = evaluate(run)
-            run.log.metrics({"step": step, "eval": metrics}, run.max_steps)
-            best_now = run.best.improved(step, metrics)  # the same on every rank: the metrics are all-reduced
+        best_now = eval_now and record_eval(run, step)
         if ckpt_now or best_now:
             save_checkpoint(run, progress)
 
     wall = time.perf_counter() - started
-    summary = {"steps": progress.step, "final_loss": loss, "preempted": preempted, "resumed_from": resumed_from,
+    summary = {"steps": progress.step, "final_loss": progress.last_loss, "preempted": preempted, "resumed_from": resumed_from,
                "wall_time_s": wall,
                "samples_per_sec": (progress.samples - resumed_samples) / wall if wall else 0.0,
                "world_size": run.env.world_size, "grad_accum_steps": run.grad_accum_steps,
@@ -203,24 +203,39 @@ def train(run: Run, progress: Progress, stop: StopFlag, final: dict[str, Any] | 
                "first_step_unix_time": first_step_at, **compile_counts, **run.sync_check.summary()}
     if preempted:
         return summary
-    if final is not None and progress.step == resumed_from:  # this start began after the final save (workers
-        summary.update(final_loss=final["loss"], eval=final["eval"])  # restarted on their way out): it stands
-    else:  # a checkpoint of the last step that a preemption saved has no eval yet
+    # A start after the final save (workers restarted on their way out) finds the run's end in it; a preemption's
+    # checkpoint of the last step holds no eval
+    ended_before = final_eval is not None and progress.step == resumed_from
+    if ended_before:
+        summary["eval"] = final_eval
+    else:
         run.watchdog.at("final eval", progress.step)
         summary["eval"] = evaluate(run)
         if summary["eval"]:
             run.log.metrics({"step": progress.step, "eval": summary["eval"]}, run.max_steps)
-            run.best.improved(progress.step, summary["eval"])
+            if progress.step:  # (train.max_steps=0 has no checkpoint to keep)
+                run.best.improved(progress.step, summary["eval"])
     if progress.step > resumed_from:  # else the final checkpoint is already there
-        save_checkpoint(run, progress, final={"loss": loss, "eval": summary["eval"]})
+        save_checkpoint(run, progress, final_eval=summary["eval"])
+    elif run.env.is_main and progress.step:  # the eval of the resumed checkpoint may have made it the best
+        run.best.write(run.run_dir)
     # train.max_steps=0 evaluates only: no step, no checkpoint
     summary["checkpoint"] = str(run.run_dir / "checkpoints" / str(progress.step)) if progress.step else None
     if run.best.metric and progress.step:
         summary["best"] = run.best.record(run.run_dir)
     if run.profiler.dir:
         summary["profile"] = str(run.profiler.dir)
-    run.log.summary(summary)
+    run.log.summary(summary, ended_before)
     return summary
+
+
+def record_eval(run: Run, step: int) -> bool:
+    """Evaluate and record; whether it is train.best_metric's best so far (the same on every rank: the metrics
+    are all-reduced)."""
+    run.watchdog.at("eval", step)
+    metrics = evaluate(run)
+    run.log.metrics({"step": step, "eval": metrics}, run.max_steps)
+    return run.best.improved(step, metrics)
 
 
 def step_ledger(run: Run, progress: Progress) -> StepLedger:
@@ -228,21 +243,22 @@ def step_ledger(run: Run, progress: Progress) -> StepLedger:
     return StepLedger(progress, run.scheduler, run.max_bad_steps, run.run_dir / "checkpoints")
 
 
-def save_checkpoint(run: Run, progress: Progress, final: dict[str, Any] | None = None) -> None:
-    """All ranks enter (RNG states are gathered); rank 0 writes checkpoints/<step>/. `final`: the final save's
-    loss and eval, so that a start from it does not record the run's end again."""
+def save_checkpoint(run: Run, progress: Progress, final_eval: dict[str, float] | None = None) -> None:
+    """All ranks enter (RNG states are gathered); rank 0 writes checkpoints/<step>/. `final_eval`: the final
+    save's eval, so that a start from it does not record the run's end again."""
     run.watchdog.at("checkpoint", progress.step)
     write_model_files = getattr(run.task, "write_model_files", None)  # optional in the Task interface
-    checkpoint.save(run.run_dir, progress.step, run.module, train_state(run, progress, final), run.env.is_main,
+    checkpoint.save(run.run_dir, progress.step, run.module, train_state(run, progress, final_eval), run.env.is_main,
                     run.keep_checkpoints, run.env.device, also_keep=run.best.step,
                     model_files=write_model_files and (lambda directory: write_model_files(run.module, directory)))
     if run.env.is_main:  # the checkpoint that holds this best is complete (the save ends in a barrier)
         run.best.write(run.run_dir)
 
 
-def train_state(run: Run, progress: Progress, final: dict[str, Any] | None = None) -> dict[str, Any]:
+def train_state(run: Run, progress: Progress, final_eval: dict[str, float] | None = None) -> dict[str, Any]:
     """Everything besides the weights that an exact resume needs (RNG states are added by the save)."""
-    return {"progress": asdict(progress), "final": final, "best": run.best.state(), "optimizer": run.optimizer.state_dict(),
+    return {"progress": asdict(progress), "final_eval": final_eval, "best": run.best.state(),
+            "optimizer": run.optimizer.state_dict(),
             "scheduler": run.scheduler.state_dict(), "scaler": run.scaler.state_dict(),
             "config_hash": run.config_hash, "world_size": run.env.world_size,
             # train.micro_batch_size=auto's size, kept by a resume (a fixed size comes from the config)

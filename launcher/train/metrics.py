@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from launcher.preempt import PREEMPTED_FILE
+from launcher.rundir import BEST_FILE
 from launcher.tracker import Resume, Trackers, open_trackers
 
 FALLING_SCALE_LOGS = 3  # an fp16 loss scale that fell at this many logged steps in a row is worth a warning
@@ -45,6 +46,9 @@ class RunLog:
                 kept = [line for line in lines if step and json.loads(line)["step"] <= step]
                 path.write_text("".join(line + "\n" for line in kept))
                 lost = lost or (name == "metrics.jsonl" and len(kept) < len(lines))
+        if not step:  # what an earlier start ended with is not this run's
+            for name in ("summary.json", BEST_FILE):
+                (self.run_dir / name).unlink(missing_ok=True)
         self._metrics = open(self.run_dir / "metrics.jsonl", "a")
         self._trackers = open_trackers(self.run_dir, self.config, Resume(step, lost), self.warn)
         if sys.stdout.isatty():
@@ -125,8 +129,15 @@ class RunLog:
             self._trackers.call("preempted", step)
             self.info(f"preempted by signal {signum}: checkpoint saved at step {step}")
 
-    def summary(self, record: dict[str, Any]) -> None:
+    def summary(self, record: dict[str, Any], ended_before: bool = False) -> None:
+        """summary.json, the trackers' end and the table. `ended_before`: this start began after the run's final
+        save; when that start wrote its summary too, it stands (its time and throughput, one end in the trackers)."""
         if not self.enabled:
+            return
+        if ended_before and _summary_of(self.run_dir, record["steps"]):
+            self.close()
+            print(f"done: the run had ended before this start ({self.run_dir / 'summary.json'} stands); final loss "
+                  f"{_fmt(record['final_loss'])}", flush=True)
             return
         (self.run_dir / "summary.json").write_text(json.dumps(record, indent=2) + "\n")
         self._trackers.call("finish", record)
@@ -145,7 +156,7 @@ class RunLog:
         if record["steps"] == 0:  # train.max_steps=0
             evaluated = _fmt(record.get("eval")) or "none (the job has no eval set)"
             print(f"done: evaluated without training, eval {evaluated}; run dir {self.run_dir}", flush=True)
-        elif record["resumed_from"] == record["steps"]:  # a start after the final save: nothing was left to do
+        elif record["resumed_from"] == record["steps"]:  # nothing was left to train (a preemption at the last step)
             print(f"done: the run had trained its {record['steps']} steps before this start, final loss "
                   f"{_fmt(record['final_loss'])}; run dir {self.run_dir}", flush=True)
         else:
@@ -168,6 +179,15 @@ class RunLog:
     def tracker_ids(self) -> dict[str, str]:
         """The tracker runs this run logs to (kept in checkpoints too; trackers.json is the record)."""
         return self._trackers.ids
+
+
+def _summary_of(run_dir: Path, steps: int) -> dict[str, Any] | None:
+    """The run dir's summary.json when it is that of a run that ended after `steps` steps."""
+    try:
+        summary = json.loads((run_dir / "summary.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return summary if summary.get("steps") == steps and not summary.get("preempted") else None
 
 
 def _number(value: Any) -> bool:

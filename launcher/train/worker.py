@@ -188,7 +188,7 @@ def build_and_train(cfg: DictConfig, path: Path, env: launcher_dist.DistEnv, sto
         run.log.info(f"run dir {path.parent} | world size {env.world_size} | grad accum "
                      f"{run.grad_accum_steps} | precision {run.precision.name} | config {hashes[0]}")
         try:
-            summary = train(run, progress, stop, state and state.get("final"))
+            summary = train(run, progress, stop, state and state.get("final_eval"))
         except torch.OutOfMemoryError as error:  # where a step cannot be redone: report, and exit for a restart
             micro_batch.exit_out_of_memory(run, error)
     run.watchdog.close()  # done or preempted: what comes now (shutdown) is no hang of the loop

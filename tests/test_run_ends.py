@@ -1,0 +1,104 @@
+"""A run ends once: its command again starts nothing, workers that start after the final save (a restart on
+their way out) record no second end, and an evaluation without training is not repeated for the same config.
+(A sweep launched again: tests/test_cli.py; on a real Slurm cluster: tests/test_slurm.py.)"""
+from __future__ import annotations
+
+import hashlib
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import read_metrics, subprocess_env
+from launcher.rundir import complete_steps
+from test_resume import finish, start
+
+pytestmark = pytest.mark.slow
+FOUR = ("train.max_steps=4",)
+
+
+def restart_workers(run_dir: Path) -> str:
+    """The workers alone, as torchrun's agent restarts them after a rank failed: no parent, no checks."""
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m",
+                          "launcher.train.worker", str(run_dir / "config.yaml")], env=subprocess_env(),
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    return out.stdout
+
+
+def rewrite_train_state(step_dir: Path, **changes) -> None:
+    """Change what a checkpoint's train_state.pt holds, and its checksum with it."""
+    state_file, marker = step_dir / "train_state.pt", step_dir / "COMPLETE"
+    torch.save({**torch.load(state_file, weights_only=True), **changes}, state_file)
+    record = json.loads(marker.read_text())
+    record["sha256"]["train_state.pt"] = hashlib.sha256(state_file.read_bytes()).hexdigest()
+    marker.write_text(json.dumps(record))
+
+
+def test_a_start_after_the_final_save_ends_the_run_once(tmp_path: Path) -> None:
+    """Workers that start again after the final save train, evaluate and save nothing: the final save holds the
+    run's final eval, and summary.json (with its time and throughput) stands. Without summary.json (the failure
+    came before it) they write one with the run's final loss and eval. The control: a checkpoint of the last step
+    without its eval, as a preemption saves it, is evaluated then."""
+    run_dir = tmp_path / "run"
+    finish(start(run_dir, *FOUR), 0)
+    summary, metrics = (run_dir / "summary.json").read_text(), (run_dir / "metrics.jsonl").read_text()
+    first = json.loads(summary)
+    assert f"done: the run had ended before this start ({run_dir / 'summary.json'} stands)" in restart_workers(run_dir)
+    assert (run_dir / "summary.json").read_text() == summary and (run_dir / "metrics.jsonl").read_text() == metrics
+
+    (run_dir / "summary.json").unlink()  # the parent starts the workers when there is none
+    out = finish(start(run_dir, *FOUR), 0)
+    assert f"done: the run had trained its 4 steps before this start, final loss {first['final_loss']:.4g}" in out
+    assert (run_dir / "metrics.jsonl").read_text() == metrics  # no second eval record
+    again = json.loads((run_dir / "summary.json").read_text())
+    assert (again["final_loss"], again["eval"], again["resumed_from"]) == (first["final_loss"], first["eval"], 4)
+    assert complete_steps(run_dir) == [4]
+
+    rewrite_train_state(run_dir / "checkpoints" / "4", final_eval=None)
+    (run_dir / "summary.json").unlink()
+    finish(start(run_dir, *FOUR), 0)
+    evals = [m["eval"] for m in read_metrics(run_dir) if "eval" in m]
+    assert evals == [first["eval"]] * 2  # evaluated again, as the weights are the same: the same numbers
+    assert json.loads((run_dir / "summary.json").read_text())["final_loss"] == first["final_loss"]
+
+
+def test_an_evaluation_without_training_runs_once_per_config(tmp_path: Path) -> None:
+    """train.max_steps=0 again in its run dir starts nothing; with another config it evaluates again, and its
+    record replaces the earlier start's (a fresh start keeps no record, a step-0 eval included)."""
+    run_dir = tmp_path / "evaluate"
+    finish(start(run_dir, "train.max_steps=0"), 0)
+    files = {name: (run_dir / name).read_bytes() for name in ("summary.json", "metrics.jsonl", "launch.json")}
+    evaluated = json.loads(files["summary.json"])["eval"]
+    again = finish(start(run_dir, "train.max_steps=0"), 0)
+    assert f"run dir {run_dir} already evaluated without training: eval loss={evaluated['loss']:.4g}; nothing to run (to " \
+           f"evaluate again, use a new hydra.run.dir or resume=never)" in again.splitlines()
+    assert files == {name: (run_dir / name).read_bytes() for name in files}
+    finish(start(run_dir, "train.max_steps=0", "train.seed=1"), 0)  # other initial weights
+    records = read_metrics(run_dir)
+    assert len(records) == 1 and records[0]["step"] == 0 and records[0]["eval"]["loss"] != evaluated["loss"]
+    # The same config as the first evaluation, while config.yaml and summary.json are of the second: not the
+    # same evaluation (summary.json's config hash tells), so it runs
+    assert "already evaluated" not in finish(start(run_dir, "train.max_steps=0"), 0)
+    assert [r["eval"] for r in read_metrics(run_dir)] == [evaluated]
+
+
+def test_a_preemption_at_an_eval_step_evaluates_on_resume(tmp_path: Path) -> None:
+    """The eval due at the preempted step comes first in the next start, on the weights the checkpoint holds:
+    every step's eval exactly once, as in a run without the preemption (simulated: the checkpoint of step 4 of a
+    run with evals every 2 steps says what a preemption there writes)."""
+    run_dir, reference = tmp_path / "run", tmp_path / "reference"
+    evals = ("train.eval_every=2",)
+    finish(start(reference, "train.max_steps=8", *evals), 0)
+    finish(start(run_dir, *FOUR, *evals), 0)
+    step_dir = run_dir / "checkpoints" / "4"
+    progress = torch.load(step_dir / "train_state.pt", weights_only=True)["progress"]
+    rewrite_train_state(step_dir, final_eval=None, progress={**progress, "eval_due": True})
+    records = [r for r in read_metrics(run_dir) if not ("eval" in r and r["step"] == 4)]  # as the preemption left
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))  # them: step 4 logged
+    finish(start(run_dir, "train.max_steps=8", "resume.allow_config_change=true", *evals), 0)
+    steps_and_evals = lambda d: [(m["step"], m["eval"]) for m in read_metrics(d) if "eval" in m]  # noqa: E731
+    assert steps_and_evals(run_dir) == steps_and_evals(reference) and len(steps_and_evals(run_dir)) == 4
