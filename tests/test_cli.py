@@ -162,12 +162,13 @@ def test_a_slurm_sweep_launched_again_queues_only_its_unfinished_points(tmp_path
     sweep, four = tmp_path / "sweep", ("+exp=toy", "train.max_steps=4")
     assert run_cli(*four, "train.seed=0", f"hydra.run.dir={sweep / '0'}", cwd=tmp_path).returncode == 0
     config = (sweep / "0" / "config.yaml").read_bytes()
-    out = run_cli("-m", *four, "launcher=slurm", "launcher.dry_run=true", "train.seed=0,1,2",
+    out = run_cli("-m", *four, "launcher=slurm", "launcher.dry_run=true", "train.seed=0,1",
                   f"hydra.sweep.dir={sweep}", cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     assert f"run dir {sweep / '0'} already finished: 4 steps" in out.stdout, out.stdout[-2000:]
-    assert "dry run: would submit a job array of 2" in out.stdout
-    assert f"run dir {sweep / '1'}: " in out.stdout and f"run dir {sweep / '2'}: " in out.stdout
+    # one point left: still the sweep's job, with its logs in the sweep's slurm/ folder
+    assert f"dry run: would submit one job with submitit.SlurmExecutor(folder={sweep / 'slurm'})" in out.stdout
+    assert f"run dir {sweep / '1'}: " in out.stdout
     assert f"run dir {sweep / '0'}: " not in out.stdout and (sweep / "0" / "config.yaml").read_bytes() == config
 
 

@@ -89,7 +89,7 @@ def main(cfg: DictConfig) -> None:
     if trackers:  # every start of the workers (relaunch, restart, requeue) reopens these tracker runs
         write_record(run_dir, trackers)
     if cfg.launcher.name == "slurm":  # submitted by __main__ once Hydra has run every sweep point
-        queue(run_dir, config_path, plan, cfg.launcher)
+        queue(run_dir, config_path, plan, cfg.launcher, hydra_point(run_dir).sweep_dir)
         return
     resuming = "" if resume_step is None else f" | resuming (latest checkpoint: step {resume_step})"
     print(f"run dir {run_dir} | {plan.world_size} worker(s) on {plan.device_type} | "

@@ -35,6 +35,7 @@ class Submission:
     config_path: Path
     plan: Plan
     launcher: dict[str, Any]
+    sweep_dir: Path | None  # -m: the sweep's dir (its points may be fewer than the sweep's: the finished are not)
 
 
 QUEUE: list[Submission] = []  # filled by the Hydra task for each run; submitted once Hydra is done
@@ -65,8 +66,8 @@ def active_job(run_dir: Path) -> str | None:
     return f"job {job_id} is {state}" if state in ACTIVE else None
 
 
-def queue(run_dir: Path, config_path: Path, plan: Plan, launcher: DictConfig) -> None:
-    QUEUE.append(Submission(run_dir, config_path, plan, OmegaConf.to_container(launcher, enum_to_str=True)))
+def queue(run_dir: Path, config_path: Path, plan: Plan, launcher: DictConfig, sweep_dir: Path | None) -> None:
+    QUEUE.append(Submission(run_dir, config_path, plan, OmegaConf.to_container(launcher, enum_to_str=True), sweep_dir))
 
 
 def rendezvous_port(job_id: str, restart: int) -> int:
@@ -219,7 +220,7 @@ def submit_queued() -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     launcher, plan = runs[0].launcher, runs[0].plan
-    common = Path(os.path.commonpath([r.run_dir for r in runs])) if len(runs) > 1 else runs[0].run_dir
+    common = runs[0].sweep_dir or runs[0].run_dir
     folder = Path(launcher["log_dir"] or common / "slurm")
     params = executor_parameters(launcher, plan, job_name=OmegaConf.load(runs[0].config_path).name)
     if launcher["dry_run"]:
