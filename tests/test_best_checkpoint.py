@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-from conftest import read_metrics, run_cli
+from conftest import read_metrics, run_cli, subprocess_env
 from launcher.rundir import complete_steps
 from launcher.train import checkpoint
 from test_resume import COMMON, DROPOUT, bitwise_equal, finish, start, weights
@@ -45,6 +47,9 @@ def test_the_best_eval_s_checkpoint_outlives_the_rotation_and_a_resume(tmp_path:
     finish(start(run_dir, "train.max_steps=16", "resume.allow_config_change=true", *best), 0)
     assert expected_best() == (step, value) and complete_steps(run_dir) == [step, 16]
     assert json.loads((run_dir / "summary.json").read_text())["best"] == record
+    status = subprocess.run([sys.executable, "-m", "launcher.launch.status", str(run_dir)], capture_output=True,
+                            text=True, env=subprocess_env())
+    assert f" loss={value:.4g}@{step} " in status.stdout.splitlines()[1], status.stdout + status.stderr
 
     following = tmp_path / "next"
     following.mkdir()

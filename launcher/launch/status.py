@@ -1,5 +1,5 @@
 """`python -m launcher.launch.status <run dir or sweep dir>`: per run, its Slurm state, last step and loss, the
-last eval metrics and the latest complete checkpoint.
+last eval metrics, the best eval (train.best_metric) and the latest complete checkpoint.
 """
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from typing import Any
 
 from launcher.launch.slurm import JOB_FILE, slurm_state
 from launcher.preempt import PREEMPTED_FILE
-from launcher.rundir import complete_steps
+from launcher.rundir import BEST_FILE, complete_steps
 
 
 def run_dirs(root: Path) -> list[Path]:
@@ -23,7 +23,7 @@ def run_dirs(root: Path) -> list[Path]:
 
 def describe(run_dir: Path) -> dict[str, Any]:
     row: dict[str, Any] = {"run": str(run_dir), "job": "-", "state": "-", "step": "-", "loss": "-", "eval": "-",
-                           "checkpoint": "-"}
+                           "best": "-", "checkpoint": "-"}
     if (run_dir / JOB_FILE).is_file():
         row["job"] = json.loads((run_dir / JOB_FILE).read_text())["job_id"]
         row["state"] = slurm_state(row["job"])
@@ -37,6 +37,9 @@ def describe(run_dir: Path) -> dict[str, Any]:
             row["step"], row["loss"] = record["step"], f"{record['loss']:.4g}"
         if "eval" in record:
             row["eval"] = " ".join(f"{k}={v:.4g}" for k, v in record["eval"].items())
+    if (run_dir / BEST_FILE).is_file():  # a sweep over train.best_metric's runs: which point did best, and when
+        best = json.loads((run_dir / BEST_FILE).read_text())
+        row["best"] = f"{best['metric']}={best['value']:.4g}@{best['step']}"
     steps = complete_steps(run_dir)
     row["checkpoint"] = steps[-1] if steps else "-"
     return row
