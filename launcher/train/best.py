@@ -4,7 +4,7 @@ Every rank holds the same all-reduced eval metrics, so every rank decides alike,
 own. An eval that improves on the best is saved as a checkpoint at once (an eval step need not be a
 checkpoint step); train.keep_checkpoints then keeps the newest ones plus that one. The state travels in
 every checkpoint, so a resume goes on comparing with the best before it, and rank 0 writes it to
-<run_dir>/best.json at each save. Exercised by: tests/test_resume.py (the best checkpoint kept).
+<run_dir>/best.json at each save. Exercised by: tests/test_best_checkpoint.py.
 """
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ class Best:
         self.value: float | None = None
 
     def improved(self, step: int, metrics: dict[str, float]) -> bool:
-        """Whether this step's eval is the best so far (strictly: of equal ones the first stays); it becomes the best."""
+        """Whether this step's eval is the best so far (strictly: of equal ones the first stays); then it is."""
         if not self.metric:
             return False
         value = metrics[self.metric]

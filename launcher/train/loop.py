@@ -192,8 +192,8 @@ def train(run: Run, progress: Progress, stop: StopFlag, final_eval: dict[str, fl
             save_checkpoint(run, progress)
 
     wall = time.perf_counter() - started
-    summary = {"steps": progress.step, "final_loss": progress.last_loss, "preempted": preempted, "resumed_from": resumed_from,
-               "wall_time_s": wall,
+    summary = {"steps": progress.step, "final_loss": progress.last_loss, "preempted": preempted,
+               "resumed_from": resumed_from, "wall_time_s": wall,
                "samples_per_sec": (progress.samples - resumed_samples) / wall if wall else 0.0,
                "world_size": run.env.world_size, "grad_accum_steps": run.grad_accum_steps,
                "micro_batch_size": run.micro_batch_size,

@@ -146,8 +146,8 @@ class RunLog:
         from rich.table import Table
 
         table = Table(title=f"run dir {self.run_dir}", show_header=False)
-        for key in ("steps", "wall_time_s", "samples_per_sec", "final_loss", "eval", "best", "skipped_steps", "restarts",
-                    "world_size", "micro_batch_size", "grad_accum_steps", "precision", "peak_mem_mb", "compiled_graphs",
+        for key in ("steps", "wall_time_s", "samples_per_sec", "final_loss", "eval", "best", "skipped_steps",
+                    "restarts", "world_size", "micro_batch_size", "grad_accum_steps", "precision", "peak_mem_mb", "compiled_graphs",
                     "compiled_pieces", "graph_breaks", "cudagraph_skips", "host_syncs", "checked_steps", "checkpoint",
                     "profile"):
             if key in record:
