@@ -11,6 +11,7 @@ import json
 import os
 import platform
 from pathlib import Path
+from typing import Any
 
 MARKER = "COMPLETE"  # in checkpoints/<step>/ once every file of the checkpoint is written
 LAUNCH_FILE = "launch.json"  # the parent writes it into every run dir before any worker starts
@@ -35,6 +36,24 @@ def complete_steps(run_dir: Path) -> list[int]:
     if not root.is_dir():
         return []
     return sorted(int(p.name) for p in root.iterdir() if p.name.isdigit() and (p / MARKER).is_file())
+
+
+def ended_summary(run_dir: Path, steps: int) -> dict[str, Any] | None:
+    """summary.json when it is that of a run that ended (not preempted) after `steps` steps: the parent then
+    starts nothing, and workers that start after the final save leave it as it is."""
+    try:
+        summary = json.loads((run_dir / "summary.json").read_text())
+    except (OSError, ValueError):  # none: the run stopped before its end (or right after its final save)
+        return None
+    return summary if summary.get("steps") == steps and not summary.get("preempted") else None
+
+
+def best_record(run_dir: Path) -> dict[str, Any] | None:
+    """best.json (train.best_metric: metric, mode, step, value, checkpoint), None when the run tracked no best."""
+    try:
+        return json.loads((run_dir / BEST_FILE).read_text())
+    except (OSError, ValueError):
+        return None
 
 
 def is_run_dir(path: object) -> bool:

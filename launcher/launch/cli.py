@@ -79,7 +79,8 @@ def main(cfg: DictConfig) -> None:
         check_job_inputs(config, pinned_pretrained(run_dir))  # (inputs of a finished run may be gone meanwhile)
         if cfg.launcher.name == "slurm":
             dependency(config["launcher"])  # launcher.dependency / launcher.after name a job that exists
-        trackers = start_trackers(run_dir, config, hydra_point(run_dir), cfg.launcher.dry_run)  # the last check
+        point = hydra_point(run_dir)
+        trackers = start_trackers(run_dir, config, point, cfg.launcher.dry_run)  # the last check
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         discard_if_fresh(run_dir)
@@ -89,7 +90,7 @@ def main(cfg: DictConfig) -> None:
     if trackers:  # every start of the workers (relaunch, restart, requeue) reopens these tracker runs
         write_record(run_dir, trackers)
     if cfg.launcher.name == "slurm":  # submitted by __main__ once Hydra has run every sweep point
-        queue(run_dir, config_path, plan, cfg.launcher, hydra_point(run_dir).sweep_dir)
+        queue(run_dir, config_path, plan, cfg.launcher, point.sweep_dir)
         return
     resuming = "" if resume_step is None else f" | resuming (latest checkpoint: step {resume_step})"
     print(f"run dir {run_dir} | {plan.world_size} worker(s) on {plan.device_type} | "

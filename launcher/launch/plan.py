@@ -36,6 +36,12 @@ def _require_positive(cfg: DictConfig, *keys: str) -> None:
             raise ConfigError(f"{key}={value} must be > 0")
 
 
+def _require_one_of(cfg: DictConfig, key: str, *options: str | None) -> None:
+    if OmegaConf.select(cfg, key) not in options:
+        names = ", ".join("null" if option is None else option for option in options)
+        raise ConfigError(f"{key}={OmegaConf.select(cfg, key)} is not one of {names}")
+
+
 def _shape(cfg: DictConfig) -> tuple[int, int, int, str]:
     """(fewest nodes, nodes, workers per node, device type) for this launcher: fewer nodes only with an
     elastic launcher.nnodes=MIN:MAX; the device is decided here, once."""
@@ -124,10 +130,8 @@ def make_plan(cfg: DictConfig) -> Plan:
         raise ConfigError(f"launcher.signal={cfg.launcher.signal} is not a signal that can be caught; "
                           f"use USR2 (the default), USR1 or TERM")
     fewest, nnodes, nproc, device_type = _shape(cfg)
-    if cfg.train.sync_check not in (None, "warn", "error"):
-        raise ConfigError(f"train.sync_check={cfg.train.sync_check} is not one of null, warn, error")
-    if cfg.train.best_mode not in (None, "max", "min"):
-        raise ConfigError(f"train.best_mode={cfg.train.best_mode} is not one of null, max, min")
+    _require_one_of(cfg, "train.sync_check", None, "warn", "error")
+    _require_one_of(cfg, "train.best_mode", None, "max", "min")
     if cfg.train.best_mode and not cfg.train.best_metric:
         raise ConfigError(f"train.best_mode={cfg.train.best_mode} has no effect without train.best_metric (an eval "
                           f"metric, e.g. accuracy)")
@@ -135,11 +139,9 @@ def make_plan(cfg: DictConfig) -> Plan:
     if cfg.train.best_metric and not cfg.train.eval_every and cfg.train.max_steps:
         raise ConfigError(f"train.best_metric={cfg.train.best_metric} needs evals during the run: set "
                           f"train.eval_every (it is 0: only the final eval), or drop train.best_metric")
-    if cfg.dist.comm_hook not in (None, "fp16", "bf16"):
-        raise ConfigError(f"dist.comm_hook={cfg.dist.comm_hook} is not one of null, fp16, bf16")
+    _require_one_of(cfg, "dist.comm_hook", None, "fp16", "bf16")
+    _require_one_of(cfg, "dist.backend", "auto", "gloo", "nccl")
     backend = cfg.dist.backend
-    if backend not in ("auto", "gloo", "nccl"):
-        raise ConfigError(f"dist.backend={backend} is not one of auto, gloo, nccl")
     if backend == "nccl" and device_type == "cpu":
         raise ConfigError("dist.backend=nccl needs GPUs and this run has none; use dist.backend=auto")
     if cfg.dist.comm_hook == "bf16" and device_type == "cpu":

@@ -4,14 +4,13 @@ Exercised by: `python -m launcher +exp=toy resume=must`.
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 from omegaconf import OmegaConf
 
 from launcher.derived import ConfigError, config_hash, differing_keys, trajectory_config
-from launcher.rundir import complete_steps
+from launcher.rundir import complete_steps, ended_summary
 
 
 def check_resume(run_dir: Path, config: dict[str, Any]) -> int | None:
@@ -54,11 +53,8 @@ def finished(run_dir: Path, config: dict[str, Any], resume_step: int | None) -> 
     max_steps = config["train"]["max_steps"]
     if config["resume"]["mode"] == "never" or resume_step != (max_steps or None):  # 0 evaluates: no checkpoint
         return None
-    try:
-        summary = json.loads((run_dir / "summary.json").read_text())
-    except (OSError, ValueError):  # none: the run stopped before its end (or right after its final save)
-        return None
-    if summary.get("preempted") or summary.get("steps") != max_steps:  # (steps: of an earlier, shorter config)
+    summary = ended_summary(run_dir, max_steps)  # (steps: not those of an earlier, shorter config)
+    if summary is None:
         return None
     evaluated = " ".join(f"{k}={v:.4g}" for k, v in (summary.get("eval") or {}).items()) or "none"
     if max_steps:

@@ -10,7 +10,7 @@ from typing import Any
 
 from launcher.launch.slurm import JOB_FILE, slurm_state
 from launcher.preempt import PREEMPTED_FILE
-from launcher.rundir import BEST_FILE, complete_steps
+from launcher.rundir import best_record, complete_steps
 
 
 def run_dirs(root: Path) -> list[Path]:
@@ -37,8 +37,8 @@ def describe(run_dir: Path) -> dict[str, Any]:
             row["step"], row["loss"] = record["step"], f"{record['loss']:.4g}"
         if "eval" in record:
             row["eval"] = " ".join(f"{k}={v:.4g}" for k, v in record["eval"].items())
-    if (run_dir / BEST_FILE).is_file():  # a sweep over train.best_metric's runs: which point did best, and when
-        best = json.loads((run_dir / BEST_FILE).read_text())
+    best = best_record(run_dir)
+    if best:  # a sweep over train.best_metric's runs: which point did best, and when
         row["best"] = f"{best['metric']}={best['value']:.4g}@{best['step']}"
     steps = complete_steps(run_dir)
     row["checkpoint"] = steps[-1] if steps else "-"

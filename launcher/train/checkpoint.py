@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_model, save_model
 
-from launcher.rundir import (BEST_FILE, MARKER, PRETRAINED_FILE, PRETRAINED_KEYS, complete_steps, is_run_dir,
+from launcher.rundir import (MARKER, PRETRAINED_FILE, PRETRAINED_KEYS, best_record, complete_steps, is_run_dir,
                              pinned_checkpoint, pinned_pretrained, write_atomically)
 from launcher.train.dist import all_gather_objects
 
@@ -127,10 +127,10 @@ def _newest_usable(run_dir: Path, warn: Callable[[str], None]) -> Path | None:
 
 def _best_usable(run_dir: Path, warn: Callable[[str], None]) -> Path | None:
     """The checkpoint of the best eval of a run that tracked one (train.best_metric), if it reads back whole."""
-    try:
-        step_dir = run_dir / "checkpoints" / str(json.loads((run_dir / BEST_FILE).read_text())["step"])
-    except (OSError, ValueError, KeyError):  # no best.json: the run tracked no best
+    best = best_record(run_dir)
+    if best is None:
         return None
+    step_dir = run_dir / "checkpoints" / str(best["step"])
     return step_dir if (step_dir / MARKER).is_file() and _usable(step_dir, warn) else None
 
 

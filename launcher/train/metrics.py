@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from launcher.preempt import PREEMPTED_FILE
-from launcher.rundir import BEST_FILE
+from launcher.rundir import BEST_FILE, ended_summary
 from launcher.tracker import Resume, Trackers, open_trackers
 
 FALLING_SCALE_LOGS = 3  # an fp16 loss scale that fell at this many logged steps in a row is worth a warning
@@ -134,7 +134,7 @@ class RunLog:
         save; when that start wrote its summary too, it stands (its time and throughput, one end in the trackers)."""
         if not self.enabled:
             return
-        if ended_before and _summary_of(self.run_dir, record["steps"]):
+        if ended_before and ended_summary(self.run_dir, record["steps"]):
             self.close()
             print(f"done: the run had ended before this start ({self.run_dir / 'summary.json'} stands); final loss "
                   f"{_fmt(record['final_loss'])}", flush=True)
@@ -179,15 +179,6 @@ class RunLog:
     def tracker_ids(self) -> dict[str, str]:
         """The tracker runs this run logs to (kept in checkpoints too; trackers.json is the record)."""
         return self._trackers.ids
-
-
-def _summary_of(run_dir: Path, steps: int) -> dict[str, Any] | None:
-    """The run dir's summary.json when it is that of a run that ended after `steps` steps."""
-    try:
-        summary = json.loads((run_dir / "summary.json").read_text())
-    except (OSError, ValueError):
-        return None
-    return summary if summary.get("steps") == steps and not summary.get("preempted") else None
 
 
 def _number(value: Any) -> bool:
