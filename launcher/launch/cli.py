@@ -9,6 +9,7 @@ import json
 import platform
 import shutil
 import sys
+from contextlib import nullcontext
 from dataclasses import asdict
 from pathlib import Path
 
@@ -23,6 +24,7 @@ from launcher.launch.errors import release_stderr
 from launcher.launch.local import local_rendezvous, run_local, torchrun_args
 from launcher.launch.plan import Plan, make_plan, resolve, write_config
 from launcher.launch.resume import check_resume, finished
+from launcher.launch.run_lock import LOCK_FILE, launch_lock
 from launcher.launch.slurm import active_job, dependency, queue
 from launcher.launch.tracker_start import hydra_point, mark_failed, start_trackers
 from launcher.preempt import REQUEUE_EXIT_CODE
@@ -33,7 +35,8 @@ from launcher.tracker import write_record
 
 register()
 CONF_DIR = Path(__file__).resolve().parents[2] / "conf"  # the repo's conf/, as a file-system path
-HYDRA_FILES = {".hydra", "launcher.log"}  # what Hydra puts into a run dir before our code runs
+# What a run dir holds before our checks pass: Hydra's files, and the lock this launch holds
+FRESH_RUN_DIR = {".hydra", "launcher.log", LOCK_FILE}
 
 
 def write_launch_record(run_dir: Path, plan: Plan) -> None:
@@ -45,7 +48,7 @@ def write_launch_record(run_dir: Path, plan: Plan) -> None:
 
 def discard_if_fresh(run_dir: Path) -> None:
     """Leave no half-made run dir behind a config error; never touch one that holds a run."""
-    if run_dir.is_dir() and {p.name for p in run_dir.iterdir()} <= HYDRA_FILES:
+    if run_dir.is_dir() and {p.name for p in run_dir.iterdir()} <= FRESH_RUN_DIR:
         shutil.rmtree(run_dir)
 
 
@@ -62,6 +65,18 @@ def shared_run_dir(nnodes: int) -> None:
 def main(cfg: DictConfig) -> None:
     release_stderr()  # Hydra composed the config: from here on our errors are one line already
     run_dir = Path(HydraConfig.get().runtime.output_dir)
+    # The nodes of a multi-node local run each run this command in one run dir, by design
+    nodes = cfg.launcher.name == "local" and str(cfg.launcher.get("nnodes", 1)) != "1"
+    with nullcontext() if nodes else launch_lock(run_dir) as holder:
+        if holder:  # its checkpoints change as we look: check nothing, write nothing
+            print(f"run dir {run_dir}: a launch ({holder}) runs there; nothing to start (wait for it to end, or "
+                  f"stop it first to start this command instead)", flush=True)
+            return
+        launch(cfg, run_dir)
+
+
+def launch(cfg: DictConfig, run_dir: Path) -> None:
+    """Check, resolve and write the run's config, then run its workers here or queue its Slurm job."""
     try:
         plan = make_plan(cfg)
         if plan.nnodes > 1 and cfg.launcher.name == "local":

@@ -1,5 +1,5 @@
-"""`python -m launcher.launch.status <run dir or sweep dir>`: per run, its Slurm state, last step and loss, the
-last eval metrics, the best eval (train.best_metric) and the latest complete checkpoint.
+"""`python -m launcher.launch.status <run dir or sweep dir>`: per run, its state (Slurm's; RUNNING: a local launch),
+last step and loss, the last eval metrics, the best eval (train.best_metric) and the latest complete checkpoint.
 """
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from launcher.launch.run_lock import lock_holder
 from launcher.launch.slurm import JOB_FILE, slurm_state
 from launcher.preempt import PREEMPTED_FILE
 from launcher.rundir import best_record, complete_steps
@@ -26,6 +27,9 @@ def describe(run_dir: Path) -> dict[str, Any]:
                            "best": "-", "checkpoint": "-"}
     if (run_dir / JOB_FILE).is_file():
         row["job"] = json.loads((run_dir / JOB_FILE).read_text())["job_id"]
+    if lock_holder(run_dir):  # a local launch's workers run (also in the run dir of a Slurm job that ended)
+        row["state"] = "RUNNING"
+    elif row["job"] != "-":
         row["state"] = slurm_state(row["job"])
     elif (run_dir / "summary.json").is_file():
         row["state"] = "DONE"

@@ -1,0 +1,88 @@
+"""One launch at a time in a run dir: a second `python -m launcher` into a run dir whose launch goes on starts
+nothing and writes nothing there (launcher=local and launcher=slurm alike); status shows the run RUNNING; the
+lock goes with its process, however that ends."""
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, run_cli, subprocess_env
+from launcher.launch.run_lock import launch_lock, lock_holder
+from launcher.preempt import REQUEUE_EXIT_CODE
+from test_resume import finish, logged_step, start, wait_until
+
+HOLD = "import sys, time; from pathlib import Path; from launcher.launch.run_lock import launch_lock\n" \
+       "with launch_lock(Path(sys.argv[1])) as holder:\n    assert holder is None; print('held', flush=True); " \
+       "time.sleep(600)"
+
+
+def status_row(run_dir: Path) -> str:
+    out = subprocess.run([sys.executable, "-m", "launcher.launch.status", str(run_dir)], capture_output=True,
+                         text=True, env=subprocess_env(), timeout=120)
+    assert out.returncode == 0, out.stderr
+    return out.stdout.splitlines()[1]
+
+
+def test_the_lock_names_its_holder_and_goes_with_its_process(tmp_path: Path) -> None:
+    holder = subprocess.Popen([sys.executable, "-c", HOLD, str(tmp_path)], cwd=REPO, env=subprocess_env(),
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline() == "held\n"
+        with launch_lock(tmp_path) as other:
+            assert other is not None and other.startswith(f"pid {holder.pid} on ")
+        assert lock_holder(tmp_path) == other
+    finally:
+        holder.kill()  # SIGKILL: no cleanup of its own runs
+        holder.wait()
+    assert lock_holder(tmp_path) is None
+    with launch_lock(tmp_path) as other:
+        assert other is None and lock_holder(tmp_path) is not None  # (this process holds it now)
+        assert json.loads((tmp_path / "launch.lock").read_text())["pid"] != holder.pid
+    assert lock_holder(tmp_path) is None
+
+
+def test_a_slurm_submission_into_a_run_dir_in_use_submits_nothing(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    holder = subprocess.Popen([sys.executable, "-c", HOLD, str(run_dir)], cwd=REPO, env=subprocess_env(),
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline() == "held\n"
+        # (were it not refused, its submission would fail: there is no Slurm cluster in this test)
+        out = run_cli("+exp=toy", "launcher=slurm", f"hydra.run.dir={run_dir}", cwd=tmp_path)
+    finally:
+        holder.kill()
+        holder.wait()
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert f"run dir {run_dir}: a launch (pid {holder.pid} on " in out.stdout and "nothing to start" in out.stdout
+    assert not (run_dir / "config.yaml").exists() and not (run_dir / "slurm.json").exists()
+
+
+@pytest.mark.slow
+def test_a_second_launch_into_a_running_run_dir_starts_nothing(tmp_path: Path) -> None:
+    """The first launch trains on; the second, the same command in another terminal, would have resumed from the
+    same checkpoint and trained beside it. It prints who runs there and leaves every file of the run as it was."""
+    run_dir = tmp_path / "run"
+    first = start(run_dir, "data.sleep_s=0.05", "train.max_steps=100000")
+    try:
+        wait_until(lambda: logged_step(run_dir) >= 2)
+        files = {name: (run_dir / name).read_text() for name in ("config.yaml", "launch.json")}
+        second = start(run_dir, "data.sleep_s=0.05", "train.max_steps=100000")
+        try:  # (without the lock it trains beside the first: killed here, the test fails in 2 minutes)
+            out, err = second.communicate(timeout=120)
+        finally:
+            second.kill()
+        assert second.returncode == 0, out + err
+        second = out + err
+        assert f"run dir {run_dir}: a launch (pid {first.pid} on " in second and "nothing to start" in second
+        assert "worker(s)" not in second  # (the line of a launch that starts its workers)
+        assert files == {name: (run_dir / name).read_text() for name in files}
+        assert " RUNNING " in status_row(run_dir)
+    finally:
+        first.send_signal(signal.SIGUSR2)  # preempted: it checkpoints and exits with the requeue code
+    finish(first, REQUEUE_EXIT_CODE)
+    assert lock_holder(run_dir) is None and " PREEMPTED " in status_row(run_dir)
