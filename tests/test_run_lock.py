@@ -3,7 +3,10 @@ nothing and writes nothing there (launcher=local and launcher=slurm alike); stat
 lock goes with its process, however that ends."""
 from __future__ import annotations
 
+import errno
+import fcntl
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -44,6 +47,17 @@ def test_the_lock_names_its_holder_and_goes_with_its_process(tmp_path: Path) -> 
         assert other is None and lock_holder(tmp_path) is not None  # (this process holds it now)
         assert json.loads((tmp_path / "launch.lock").read_text())["pid"] != holder.pid
     assert lock_holder(tmp_path) is None
+
+
+def test_a_file_system_without_flock_runs_unlocked_with_a_note(tmp_path: Path, monkeypatch, capsys) -> None:
+    """What Lustre mounted without -o flock answers (ENOSYS): the launch goes on, saying that it is not guarded."""
+    def no_flock(fd: int, operation: int) -> None:
+        raise OSError(errno.ENOSYS, os.strerror(errno.ENOSYS))
+    monkeypatch.setattr(fcntl, "flock", no_flock)
+    with launch_lock(tmp_path) as other:
+        assert other is None
+    assert lock_holder(tmp_path) is None
+    assert "is on a file system without flock (Function not implemented)" in capsys.readouterr().err
 
 
 def test_a_slurm_submission_into_a_run_dir_in_use_submits_nothing(tmp_path: Path) -> None:

@@ -10,6 +10,7 @@ import fcntl
 import json
 import os
 import platform
+import sys
 import time
 from contextlib import contextmanager
 from datetime import datetime
@@ -46,6 +47,11 @@ def launch_lock(run_dir: Path) -> Iterator[str | None]:
                     yield _who(fd)
                     return
                 time.sleep(0.05)
+            except OSError as err:  # e.g. Lustre mounted without -o flock: ENOSYS
+                print(f"note: {run_dir} is on a file system without flock ({err.strerror}): a second launch into it "
+                      f"while this one runs would not be stopped", file=sys.stderr, flush=True)
+                yield None
+                return
         record = {"pid": os.getpid(), "host": platform.node(), "since": datetime.now().isoformat(timespec="seconds")}
         os.ftruncate(fd, 0)
         os.pwrite(fd, json.dumps(record).encode(), 0)
@@ -64,5 +70,7 @@ def lock_holder(run_dir: Path) -> str | None:
         return None
     except BlockingIOError:
         return _who(fd)
+    except OSError:  # no flock on this file system: nobody can hold it
+        return None
     finally:
         os.close(fd)
