@@ -91,9 +91,8 @@ def test_a_second_launch_into_a_running_run_dir_starts_nothing(tmp_path: Path) -
         finally:
             second.kill()
         assert second.returncode == 0, out + err
-        second = out + err
-        assert f"run dir {run_dir}: a launch (pid {first.pid} on " in second and "nothing to start" in second
-        assert "worker(s)" not in second  # (the line of a launch that starts its workers)
+        assert f"run dir {run_dir}: a launch (pid {first.pid} on " in out and "nothing to start" in out
+        assert "worker(s)" not in out + err  # (the line of a launch that starts its workers)
         assert files == {name: (run_dir / name).read_text() for name in files}
         assert " RUNNING " in status_row(run_dir)
     finally:
