@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -17,7 +18,7 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import REPO, assert_same_float64_weights, read_metrics, run_cli, subprocess_env
-from launcher.launch.slurm import slurm_state
+from launcher.launch.slurm import ACTIVE, slurm_state
 
 pytestmark = pytest.mark.slow
 TOY = ("+exp=toy", "train.max_steps=40", "train.log_every=1", "train.eval_every=0", "train.global_batch_size=16",
@@ -109,6 +110,20 @@ def test_sweep_is_one_job_array_and_a_raising_point_fails(cluster, tmp_path: Pat
     jobs = submitted(out.stdout)
     assert len(jobs) == 4 and len(set(jobs.values())) == 4
     assert len({job.split("_")[0] for job in jobs}) == 1  # one array
+    # status while the array runs: each point's own state, from one sacct call (+ one squeue call for the
+    # tasks still pending, which sacct has no row for) for the whole sweep, through shims that count them
+    shims, calls = tmp_path / "bin", tmp_path / "slurm-calls"
+    shims.mkdir()
+    for command in ("sacct", "squeue"):
+        (shims / command).write_text(f'#!/bin/sh\necho {command} >> {calls}\nexec {shutil.which(command)} "$@"\n')
+        (shims / command).chmod(0o755)
+    env = subprocess_env()
+    env["PATH"] = f"{shims}:{env['PATH']}"
+    status = subprocess.run([sys.executable, "-m", "launcher.launch.status", str(sweep)], capture_output=True,
+                            text=True, env=env)
+    states = {row.split()[1]: row.split()[2] for row in status.stdout.strip().splitlines()[1:]}
+    assert states.keys() == jobs.keys() and set(states.values()) <= ACTIVE | {"COMPLETED"}, status.stdout
+    assert calls.read_text().split() in (["sacct"], ["sacct", "squeue"]), calls.read_text()
     assert {job: final_state(job, timeout_s=240) for job in jobs} == dict.fromkeys(jobs, "COMPLETED")
     status = subprocess.run([sys.executable, "-m", "launcher.launch.status", str(sweep)], capture_output=True,
                             text=True, env=subprocess_env())

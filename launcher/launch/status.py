@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from launcher.launch.run_lock import lock_holder
-from launcher.launch.slurm import JOB_FILE, slurm_state
+from launcher.launch.slurm import JOB_FILE, slurm_states
 from launcher.preempt import PREEMPTED_FILE
 from launcher.rundir import best_record, complete_steps
 
@@ -22,15 +22,19 @@ def run_dirs(root: Path) -> list[Path]:
     return sorted(found, key=lambda p: (len(p.parts), p.name.zfill(8), str(p)))
 
 
-def describe(run_dir: Path) -> dict[str, Any]:
-    row: dict[str, Any] = {"run": str(run_dir), "job": "-", "state": "-", "step": "-", "loss": "-", "eval": "-",
-                           "best": "-", "checkpoint": "-"}
-    if (run_dir / JOB_FILE).is_file():
-        row["job"] = json.loads((run_dir / JOB_FILE).read_text())["job_id"]
+def slurm_job(run_dir: Path) -> str | None:
+    record = run_dir / JOB_FILE
+    return json.loads(record.read_text())["job_id"] if record.is_file() else None
+
+
+def describe(run_dir: Path, job: str | None, slurm: dict[str, str]) -> dict[str, Any]:
+    """One row; slurm: the Slurm state of every job in the table."""
+    row: dict[str, Any] = {"run": str(run_dir), "job": job or "-", "state": "-", "step": "-", "loss": "-",
+                           "eval": "-", "best": "-", "checkpoint": "-"}
     if lock_holder(run_dir):  # a local launch's workers run (also in the run dir of a Slurm job that ended)
         row["state"] = "RUNNING"
-    elif row["job"] != "-":
-        row["state"] = slurm_state(row["job"])
+    elif job:
+        row["state"] = slurm[job]
     elif (run_dir / "summary.json").is_file():
         row["state"] = "DONE"
     elif (run_dir / PREEMPTED_FILE).is_file():
@@ -53,7 +57,9 @@ def main(argv: list[str]) -> int:
     if len(argv) != 1 or not Path(argv[0]).is_dir():
         print("usage: python -m launcher.launch.status <run dir or sweep dir>", file=sys.stderr)
         return 2
-    rows = [describe(d) for d in run_dirs(Path(argv[0]))]
+    jobs = {run_dir: slurm_job(run_dir) for run_dir in run_dirs(Path(argv[0]))}
+    slurm = slurm_states([job for job in jobs.values() if job])  # one query for a whole sweep
+    rows = [describe(run_dir, job, slurm) for run_dir, job in jobs.items()]
     if not rows:
         print(f"error: no run dir (with a config.yaml) under {argv[0]}", file=sys.stderr)
         return 2
