@@ -1,7 +1,7 @@
 """torch features newer than the supported floor (torch 2.6), detected once at import, with their fallbacks.
 
-Every feature is found by looking at the installed torch (a parser's flags, a signature), never by its
-version string, and each fallback says in one line at launch what the user loses. The fallbacks run on
+Every feature is found by looking at the installed torch (a parser's flags, a signature), not by its
+version string (only the flight recorder's environment variables, which Python cannot see), and each fallback says in one line at launch what the user loses. The fallbacks run on
 every CI run with the newer features hidden: tests/test_torch_floor.py. Used by the parent (torchrun's
 flags) and the workers (DDP's arguments).
 
@@ -42,6 +42,15 @@ TORCHRUN_FIXED_SHUTDOWN_S = 30
 DDP_NO_FORWARD_BUFFER_SYNC = ({"forward_sync_buffers": False}
                               if "forward_sync_buffers" in inspect.signature(DDP.__init__).parameters
                               else {"broadcast_buffers": False})
+
+# NCCL's flight recorder (each rank's last collectives, dumped when one times out) reads C++ environment
+# variables, which no Python signature shows: these go by version, as found in each wheel's libtorch. 2.6 and
+# 2.7 read TORCH_NCCL_TRACE_BUFFER_SIZE and TORCH_NCCL_DEBUG_INFO_TEMP_FILE; 2.8 on read TORCH_FR_BUFFER_SIZE
+# and TORCH_FR_DUMP_TEMP_FILE (and the old names, with a warning). The buffer holds 0 entries unless set
+# before 2.11 (2000 from then on): nothing recorded, nothing dumped.
+FLIGHT_RECORDER_BUFFER_SIZE, FLIGHT_RECORDER_DUMP_FILE = (
+    ("TORCH_FR_BUFFER_SIZE", "TORCH_FR_DUMP_TEMP_FILE") if torch.__version__ >= (2, 8)
+    else ("TORCH_NCCL_TRACE_BUFFER_SIZE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE"))
 
 # Changing a process group's timeout once it exists (a private helper, in 2.6 through 2.14): start-up gets
 # dist.startup_timeout_s, training dist.timeout_s. Without it, dist.timeout_s holds from the start.

@@ -112,21 +112,26 @@ def test_schedules() -> None:
 
 
 def test_worker_environment_per_plan_and_put_back(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
-    """A CPU plan's workers see no GPU; a CUDA plan's keep NCCL's flight recorder, dumping into the run dir,
-    unless the user set it. The parent gets its own environment back, so the next point of a local -m
-    sweep (the same process) still plans with the GPUs."""
+    """A CPU plan's workers see no GPU; a CUDA plan's record their collectives in NCCL's flight recorder and
+    dump it into the run dir, under the names this torch reads (CI runs this on torch 2.6 too), unless the
+    user set them. The parent gets its own environment back, so the next point of a local -m sweep (the
+    same process) still plans with the GPUs."""
     from launcher.launch.local import environment, worker_env
     from launcher.launch.plan import Plan
 
     cpu, cuda = Plan(1, 2, 2, 1, "cpu"), Plan(1, 2, 2, 1, "cuda")
     for name in ("TORCH_NCCL_DUMP_ON_TIMEOUT", "TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE",
-                 "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
+                 "TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE", "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
         monkeypatch.delenv(name, raising=False)
+    # torch 2.6 and 2.7 read only the TORCH_NCCL_ names (their libtorch has no other), 2.8 on the TORCH_FR_ ones
+    prefix = "TORCH_FR_" if torch.__version__ >= (2, 8) else "TORCH_NCCL_"
+    names = ("BUFFER_SIZE", "DUMP_TEMP_FILE") if prefix == "TORCH_FR_" else ("TRACE_BUFFER_SIZE", "DEBUG_INFO_TEMP_FILE")
     assert worker_env(cpu, tmp_path) == {"CUDA_VISIBLE_DEVICES": ""}
     assert worker_env(cuda, tmp_path) == {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True",
-                                          "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
-                                          "TORCH_FR_DUMP_TEMP_FILE": str(tmp_path / "comm_traces" / "rank_")}
+                                          "TORCH_NCCL_DUMP_ON_TIMEOUT": "1", prefix + names[0]: "2000",
+                                          prefix + names[1]: str(tmp_path / "comm_traces" / "rank_")}
     monkeypatch.setenv("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", "/scratch/fr_")  # the user's, in the older spelling
+    monkeypatch.setenv("TORCH_FR_BUFFER_SIZE", "0")  # the user's: no recording
     monkeypatch.setenv("PYTORCH_ALLOC_CONF", "garbage_collection_threshold:0.8")  # the user's, newer spelling
     assert worker_env(cuda, tmp_path) == {"TORCH_NCCL_DUMP_ON_TIMEOUT": "1"}
     for before in (None, "0,1"):

@@ -23,7 +23,8 @@ from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.elastic.rendezvous.api import RendezvousError
 
-from launcher.compat import fallback_notes, relay_signals, torchrun_shutdown_args, torchrun_signal_args
+from launcher.compat import (FLIGHT_RECORDER_BUFFER_SIZE, FLIGHT_RECORDER_DUMP_FILE, fallback_notes, relay_signals,
+                             torchrun_shutdown_args, torchrun_signal_args)
 from launcher.derived import NODE_CONFIG, node_view
 from launcher.launch.plan import Plan
 from launcher.preempt import PREEMPTED_FILE, REQUEUE_EXIT_CODE, preemption_signals, read_preempted
@@ -74,9 +75,9 @@ def worker_env(plan: Plan, run_dir: Path) -> dict[str, str]:
     """What the agent's workers get on top of this process's environment (a user's own setting wins).
 
     A CPU plan's workers get CUDA_VISIBLE_DEVICES="": they never see, or initialise, a GPU. A CUDA plan's
-    workers get the CUDA allocator's expandable segments, and dump NCCL's flight recorder (on by default in torch: each rank's last collectives) into
-    <run_dir>/comm_traces/ when a collective times out. TORCH_FR_DUMP_TEMP_FILE is the current spelling
-    (torch warns about the older TORCH_NCCL_DEBUG_INFO_TEMP_FILE; older torch dumps to /tmp instead).
+    workers get the CUDA allocator's expandable segments, and NCCL's flight recorder (each rank's last 2000
+    collectives; torch records none before 2.11 unless told) dumps into <run_dir>/comm_traces/ when a collective
+    times out, under the variables' names that this torch reads (launcher/compat.py).
     """
     if plan.device_type == "cpu":
         return {"CUDA_VISIBLE_DEVICES": ""}
@@ -88,8 +89,10 @@ def worker_env(plan: Plan, run_dir: Path) -> dict[str, str]:
         env["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
     if "TORCH_NCCL_DUMP_ON_TIMEOUT" not in os.environ:
         env["TORCH_NCCL_DUMP_ON_TIMEOUT"] = "1"
+    if not {"TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE"} & set(os.environ):
+        env[FLIGHT_RECORDER_BUFFER_SIZE] = "2000"  # torch's own default from 2.11
     if not {"TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE"} & set(os.environ):
-        env["TORCH_FR_DUMP_TEMP_FILE"] = str(run_dir / COMM_TRACES_DIR / "rank_")
+        env[FLIGHT_RECORDER_DUMP_FILE] = str(run_dir / COMM_TRACES_DIR / "rank_")
     return env
 
 
