@@ -142,3 +142,12 @@ def test_worker_environment_per_plan_and_put_back(monkeypatch: pytest.MonkeyPatc
         with environment(worker_env(cpu, tmp_path)):
             assert os.environ["CUDA_VISIBLE_DEVICES"] == ""
         assert os.environ.get("CUDA_VISIBLE_DEVICES") == before
+
+
+def test_mfu_has_no_peak_where_none_is_known() -> None:
+    """A CPU has no known peak, and fp32 without TF32 runs 7-15x under a GPU's TF32 peak: null, not invented
+    (the device is not touched: this runs without a GPU)."""
+    from launcher.train.meter import peak_flops
+
+    assert peak_flops(torch.device("cpu"), "bf16") is None
+    assert peak_flops(torch.device("cuda", 0), "fp32", tf32=False) is None

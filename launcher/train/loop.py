@@ -126,7 +126,7 @@ def train(run: Run, progress: Progress, stop: StopFlag, final_eval: dict[str, fl
                      worker_init_fn=partial(ignore_in_data_workers, signals=stop.signals))
     stream = WindowStream(windows, progress.step, run.max_steps, loader)
     meter = Meter(run.env.device, training_flops_per_item(run.module),
-                  peak_flops(run.env.device, run.precision.name), run.env.rank, run.env.world_size)
+                  peak_flops(run.env.device, run.precision.name, run.precision.tf32), run.env.rank, run.env.world_size)
     ledger = step_ledger(run, progress)
     started, preempted, first_step_at = time.perf_counter(), False, None
     compile_counts: dict[str, int] = {}

@@ -12,14 +12,15 @@ import torch
 from launcher.train.dist import all_reduce_sum
 from launcher.train.straggler import ComputeTimer
 
-# Dense peak FLOP/s per GPU for bf16/fp16 tensor cores (fp32 runs use TF32, about half).
+# Dense peak FLOP/s per GPU for bf16/fp16 tensor cores (fp32 runs with train.tf32 use TF32, about half).
 PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10": 125e12, "L4": 121e12,
               "V100": 125e12, "4090": 165e12}
 
 
-def peak_flops(device: torch.device, precision: str) -> float | None:
-    """The GPU's peak for this precision, or None where it is unknown (every CPU: not invented)."""
-    if device.type != "cuda":
+def peak_flops(device: torch.device, precision: str, tf32: bool = True) -> float | None:
+    """The GPU's peak for this precision, or None where it is unknown (every CPU, and fp32 without TF32, which
+    runs 7-15x under the TF32 peak depending on the GPU: not invented)."""
+    if device.type != "cuda" or (precision == "fp32" and not tf32):
         return None
     name = torch.cuda.get_device_name(device)
     peak = next((v for k, v in PEAK_FLOPS.items() if k in name), None)

@@ -15,6 +15,7 @@ AUTOCAST_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 class Precision:
     name: str
     device_type: str
+    tf32: bool = True  # train.tf32: fp32 matmuls on a GPU's tensor cores (CUDA only)
 
     @property
     def autocast_dtype(self) -> torch.dtype | None:
