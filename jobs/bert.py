@@ -135,7 +135,7 @@ class TextClassification:
                  eval_path: str | None = None, name: str | None = None, task: str | None = None,
                  eval_split: str = "validation", text_fields: list[str] | None = None,
                  label_field: str = "label", num_labels: int = 2, max_length: int = 128,
-                 n_train: int = 2000, n_eval: int = 501, seed: int = 0):
+                 pad_to_multiple_of: int | None = None, n_train: int = 2000, n_eval: int = 501, seed: int = 0):
         fields = list(text_fields or (GLUE_FIELDS.get(task or "", ["text"]) if source == "hub" else ["text"]))
         columns = fields + [label_field]
         if source == "embedded":
@@ -154,7 +154,8 @@ class TextClassification:
         self.tokenizer = AutoTokenizer.from_pretrained(tokenizer)
         self.train_set = self._encode(train_rows, fields, label_field, as_int, max_length)
         self.eval_set = self._encode(eval_rows, fields, label_field, as_int, max_length) or None
-        self.pad = DataCollatorWithPadding(self.tokenizer, return_tensors="pt")
+        self.pad = DataCollatorWithPadding(self.tokenizer, pad_to_multiple_of=pad_to_multiple_of,
+                                           return_tensors="pt")
 
     def _encode(self, rows: list[dict], fields: list[str], label_field: str, as_int: dict | None,
                 max_length: int) -> list[dict]:
@@ -209,7 +210,8 @@ class MaskedLM:
     def __init__(self, tokenizer: str, source: str = "embedded", path: str | None = None,
                  eval_path: str | None = None, name: str | None = None, task: str | None = None,
                  eval_split: str = "validation", text_field: str = "text", max_length: int = 128,
-                 mlm_probability: float = 0.15, n_train: int = 4000, n_eval: int = 400, seed: int = 0):
+                 pad_to_multiple_of: int | None = None, mlm_probability: float = 0.15, n_train: int = 4000,
+                 n_eval: int = 400, seed: int = 0):
         if source == "embedded":
             train_rows, eval_rows = corpus_lines(n_train, seed), corpus_lines(n_eval, seed + 1)
         elif source == "files":
@@ -226,6 +228,7 @@ class MaskedLM:
         eval_set = _tokenize(self.tokenizer, eval_rows, [text_field], max_length) if eval_rows else []
         self.eval_set = [self._mask(s, salt=1) for s in eval_set] or None
         self.pad = DataCollatorForTokenClassification(self.tokenizer, label_pad_token_id=-100,
+                                                      pad_to_multiple_of=pad_to_multiple_of,
                                                       return_tensors="pt")
 
     def _mask(self, sample: dict, salt: int = 0) -> dict:

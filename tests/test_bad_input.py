@@ -91,6 +91,8 @@ CASES = {  # name: (overrides, or a function of tmp_path giving them; what the l
                                        "launcher.device=cpu but launcher.gpus_per_node=8"),
     "max_length zero": (["+exp=bert", "data.max_length=0"], "data.max_length=0 must be > 0"),
     "dropout over one": (["+exp=bert", "model.dropout=1.5"], "model.dropout=1.5 must be a probability in [0, 1)"),
+    "padding to zero tokens": (["+exp=bert_mlm", "data.pad_to_multiple_of=0"],
+                               "data.pad_to_multiple_of=0 is not a positive number of tokens; use null"),
     "activation checkpointing not a bool": (["+exp=bert_mlm", "model.activation_checkpointing=yes"],
                                             "model.activation_checkpointing=yes must be true or false"),
     "max_length beyond the model": (["+exp=bert", "data.max_length=1000"],

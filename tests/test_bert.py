@@ -174,6 +174,24 @@ def test_a_checkpointed_bert_compiles_as_one_graph(tiny_bert: Path) -> None:
             torch.compile(model, backend="eager", fullgraph=True)(input_ids=ids)
 
 
+def test_pad_to_multiple_of_fixes_the_shapes_and_changes_no_number(tiny_bert: Path) -> None:
+    """data.pad_to_multiple_of: batches padded to a multiple of it (8: tensor cores; data.max_length: one shape
+    for every batch, as CUDA-graph compile modes want), with the same losses as padding to the longest."""
+    for job, model in ((MaskedLM, masked_lm_model(str(tiny_bert), dtype="float64")),
+                       (TextClassification, classification_model(str(tiny_bert), num_labels=2, dtype="float64"))):
+        tasks = {pad: job(str(tiny_bert), n_train=64, n_eval=0, max_length=48, pad_to_multiple_of=pad)
+                 for pad in (None, 8, 48)}
+        for start in range(0, 64, 16):
+            batches = {pad: task.collate(task.train_set[start:start + 16]) for pad, task in tasks.items()}
+            longest = int(batches[None]["attention_mask"].sum(1).max())
+            assert batches[None]["input_ids"].shape[1] == longest
+            assert batches[8]["input_ids"].shape[1] == -(-longest // 8) * 8
+            assert batches[48]["input_ids"].shape == (16, 48) and batches[48]["padded"]
+            for pad in (8, 48):
+                torch.testing.assert_close(tasks[pad].loss_sum(model, batches[pad]),
+                                           tasks[None].loss_sum(model, batches[None]), rtol=1e-10, atol=0)
+
+
 def test_largest_batch_holds_the_longest_samples(tiny_bert: Path) -> None:
     """What train.micro_batch_size=auto probes with: the n longest training samples, padded to the longest,
     for both BERT jobs (with dynamic padding, the largest batch training can meet)."""

@@ -21,6 +21,8 @@ PATH_KEYS = ("path", "eval_path")  # data files a job reads
 COLUMN_KEYS = ("text_fields", "label_field", "text_field")  # columns a tabular file must hold
 LENGTH_KEY = "max_length"  # tokens per sample a text job keeps (data.max_length)
 DROPOUT_KEY = "dropout"  # a probability that overrides the model's (model.dropout)
+# tokens a text job's batches are padded to a multiple of (data.pad_to_multiple_of; null: each batch's longest)
+PAD_KEY = "pad_to_multiple_of"
 
 
 def _offline() -> bool:
@@ -73,6 +75,10 @@ def check_job_inputs(config: dict[str, Any], pinned: dict[str, dict[str, str]]) 
     if checkpointing is not None and not isinstance(checkpointing, bool):
         raise ConfigError(f"model.{CHECKPOINTING_KEY}={checkpointing} must be true or false")
     data = config.get("data") or {}
+    pad = data.get(PAD_KEY)
+    if pad is not None and (isinstance(pad, bool) or not isinstance(pad, int) or pad < 1):
+        raise ConfigError(f"data.{PAD_KEY}={pad} is not a positive number of tokens; use null (pad each batch to "
+                          f"its longest sample), 8 (tensor cores), or data.max_length (one shape for every batch)")
     _check_max_length(data.get(LENGTH_KEY), _model_source((config.get("model") or {}).get("pretrained"), pinned))
     wanted = [c for key in COLUMN_KEYS for c in ([data[key]] if isinstance(data.get(key), str) else data.get(key) or [])]
     for key in PATH_KEYS:
