@@ -18,6 +18,7 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import REPO, assert_same_float64_weights, read_metrics, run_cli, subprocess_env
+from launcher.launch.run_lock import launch_lock, lock_holder
 from launcher.launch.slurm import ACTIVE, slurm_state
 
 pytestmark = pytest.mark.slow
@@ -168,6 +169,7 @@ def test_preempted_or_requeued_job_resumes_in_the_same_run_dir(cluster, tmp_path
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     wait_for_step(run_dir, 15)
     job = json.loads((run_dir / "slurm.json").read_text())["job_id"]
+    assert re.fullmatch(r"pid \d+ on \S+ since \S+", lock_holder(run_dir) or "")  # the job holds its run dir
     if how == "signal":
         subprocess.run(["scancel", "--signal=USR2", job], check=True)
     else:
@@ -260,3 +262,23 @@ def test_launcher_after_starts_a_job_once_the_named_run_completed(cluster, tmp_p
     assert final_state(job_b, timeout_s=300) == "COMPLETED"
     assert sacct_times(job_b)[0] >= sacct_times(job_a)[1]  # B started once A had ended
     assert f"run dir {tmp_path / 'b'} already finished: 40 steps" in run_cli(*b_again, cwd=tmp_path).stdout
+
+
+def test_a_job_whose_run_dir_is_in_use_when_it_starts_trains_nothing(cluster, tmp_path: Path) -> None:
+    """The job takes its run dir's lock on its first node, as a local launch does: one that finds it taken (here
+    by this test, standing in for a launch that started while the job waited, its squeue unanswered) fails
+    with who holds it, and writes no step."""
+    blocker = subprocess.run(["sbatch", "--parsable", "--wrap", "sleep 3", "-o", "/dev/null"], capture_output=True,
+                             text=True, check=True).stdout.strip()
+    run_dir = tmp_path / "run"
+    out = run_cli(*TOY, "launcher=slurm", f"launcher.dependency=afterok:{blocker}", f"hydra.run.dir={run_dir}",
+                  cwd=tmp_path)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    ((job, _),) = submitted(out.stdout).items()
+    with launch_lock(run_dir) as holder:
+        assert holder is None
+        assert final_state(job, timeout_s=120) == "FAILED"
+    log = "".join(p.read_text() for p in sorted((run_dir / "slurm").glob("*_log.*")))
+    assert re.search(rf"run dir {run_dir}: a launch \(pid {os.getpid()} on \S+ since \S+\) runs there; job {job} "
+                     rf"starts nothing", log), log[-3000:]
+    assert not (run_dir / "metrics.jsonl").exists() and lock_holder(run_dir) is None

@@ -1,5 +1,6 @@
 """One launch at a time in a run dir: the parent holds an exclusive lock on <run_dir>/launch.lock from its first
-check until its workers end (launcher=local) or its job is queued (launcher=slurm). A second `python -m launcher`
+check until its workers end (launcher=local) or its job is queued (launcher=slurm; the job's first node then holds
+it while the job runs, launcher/launch/slurm.py). A second `python -m launcher`
 into that run dir (another terminal, a sweep's command again) then starts nothing instead of training beside the
 first from the same checkpoint. The kernel drops the lock with the process however it ends, so a crash leaves no
 stale lock. Exercised by: tests/test_run_lock.py.

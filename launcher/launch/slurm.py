@@ -11,6 +11,7 @@ import re
 import signal
 import subprocess
 import sys
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,7 @@ from launcher.derived import ConfigError
 from launcher.launch.environment import record_slurm_job
 from launcher.launch.local import c10d_rendezvous, run_agent, torchrun_args
 from launcher.launch.plan import Plan
+from launcher.launch.run_lock import launch_lock
 from launcher.preempt import (OUT_OF_MEMORY_EXIT_CODE, PREEMPTED_FILE, REQUEUE_EXIT_CODE, read_preempted,
                               signal_named)
 
@@ -155,13 +157,19 @@ class NodeTask(submitit.helpers.Checkpointable):
         if restart:  # submitit counts a task done once its result file is there: an earlier attempt's error
             # (this node's ranks failed when another node's ran out of memory) would read as this attempt's
             env.paths.result_pickle.unlink(missing_ok=True)
-        if env.global_rank == 0:
-            (run_dir / PREEMPTED_FILE).unlink(missing_ok=True)  # from the attempt before a requeue
-            record_slurm_job(run_dir)  # job id, node list, requeue count: for a bug report
-        # The first node's address, not its name: names need not resolve (emulated nodes, some clusters).
-        host = os.environ.get("SLURM_LAUNCH_NODE_IPADDR") or env.hostnames[0]
-        rendezvous = c10d_rendezvous(f"{host}:{rendezvous_port(env.job_id, restart)}", f"{env.job_id}-{restart}")
-        code = run_agent(config_path, Plan(**cfg.plan), cfg.launcher, rendezvous)
+        # The job holds its run dir's lock as a local launch does (the first node, for all): a launch that got past
+        # slurm.json (its sacct and squeue had no answer) starts nothing while the job runs, nor the job while it does
+        with launch_lock(run_dir) if env.global_rank == 0 else nullcontext() as holder:
+            if holder:
+                raise RuntimeError(f"run dir {run_dir}: a launch ({holder}) runs there; job {env.job_id} starts nothing "
+                                   f"(stop that launch, then resubmit with hydra.run.dir={run_dir})")
+            if env.global_rank == 0:
+                (run_dir / PREEMPTED_FILE).unlink(missing_ok=True)  # from the attempt before a requeue
+                record_slurm_job(run_dir)  # job id, node list, requeue count: for a bug report
+            # The first node's address, not its name: names need not resolve (emulated nodes, some clusters).
+            host = os.environ.get("SLURM_LAUNCH_NODE_IPADDR") or env.hostnames[0]
+            rendezvous = c10d_rendezvous(f"{host}:{rendezvous_port(env.job_id, restart)}", f"{env.job_id}-{restart}")
+            code = run_agent(config_path, Plan(**cfg.plan), cfg.launcher, rendezvous)
         if code in (REQUEUE_EXIT_CODE, OUT_OF_MEMORY_EXIT_CODE):
             # torchrun's handler outlives its agent and would turn the SIGTERM of Slurm's requeue into an
             # exception, i.e. a failed result; with the default action the task just ends and is requeued.
