@@ -1,7 +1,8 @@
 """torch features newer than the supported floor (torch 2.6), detected once at import, with their fallbacks.
 
 Every feature is found by looking at the installed torch (a parser's flags, a signature), not by its
-version string (only the flight recorder's environment variables, which Python cannot see), and each fallback says in one line at launch what the user loses. The fallbacks run on
+version string (but for the flight recorder's environment variables, which Python cannot see), and each
+fallback says in one line at launch what the user loses. The fallbacks run on
 every CI run with the newer features hidden: tests/test_torch_floor.py. Used by the parent (torchrun's
 flags) and the workers (DDP's arguments).
 

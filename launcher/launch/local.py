@@ -89,9 +89,10 @@ def worker_env(plan: Plan, run_dir: Path) -> dict[str, str]:
         env["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
     if "TORCH_NCCL_DUMP_ON_TIMEOUT" not in os.environ:
         env["TORCH_NCCL_DUMP_ON_TIMEOUT"] = "1"
-    if not {"TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE"} & set(os.environ):
+    # the user's own setting, under a name this torch reads (every torch reads the TORCH_NCCL_ ones)
+    if not {FLIGHT_RECORDER_BUFFER_SIZE, "TORCH_NCCL_TRACE_BUFFER_SIZE"} & set(os.environ):
         env[FLIGHT_RECORDER_BUFFER_SIZE] = "2000"  # torch's own default from 2.11
-    if not {"TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE"} & set(os.environ):
+    if not {FLIGHT_RECORDER_DUMP_FILE, "TORCH_NCCL_DEBUG_INFO_TEMP_FILE"} & set(os.environ):
         env[FLIGHT_RECORDER_DUMP_FILE] = str(run_dir / COMM_TRACES_DIR / "rank_")
     return env
 
