@@ -93,6 +93,9 @@ CASES = {  # name: (overrides, or a function of tmp_path giving them; what the l
     "dropout over one": (["+exp=bert", "model.dropout=1.5"], "model.dropout=1.5 must be a probability in [0, 1)"),
     "padding to zero tokens": (["+exp=bert_mlm", "data.pad_to_multiple_of=0"],
                                "data.pad_to_multiple_of=0 is not a positive number of tokens; use null"),
+    "padding past the model's positions": (["+exp=bert", "data.max_length=512", "data.pad_to_multiple_of=100"],
+                                           "data.pad_to_multiple_of=100 pads batches of data.max_length=512 tokens "
+                                           "to 600, more than the 512 positions of model.pretrained="),
     "activation checkpointing not a bool": (["+exp=bert_mlm", "model.activation_checkpointing=yes"],
                                             "model.activation_checkpointing=yes must be true or false"),
     "max_length beyond the model": (["+exp=bert", "data.max_length=1000"],

@@ -75,11 +75,8 @@ def check_job_inputs(config: dict[str, Any], pinned: dict[str, dict[str, str]]) 
     if checkpointing is not None and not isinstance(checkpointing, bool):
         raise ConfigError(f"model.{CHECKPOINTING_KEY}={checkpointing} must be true or false")
     data = config.get("data") or {}
-    pad = data.get(PAD_KEY)
-    if pad is not None and (isinstance(pad, bool) or not isinstance(pad, int) or pad < 1):
-        raise ConfigError(f"data.{PAD_KEY}={pad} is not a positive number of tokens; use null (pad each batch to "
-                          f"its longest sample), 8 (tensor cores), or data.max_length (one shape for every batch)")
-    _check_max_length(data.get(LENGTH_KEY), _model_source((config.get("model") or {}).get("pretrained"), pinned))
+    _check_lengths(data.get(LENGTH_KEY), data.get(PAD_KEY),
+                   _model_source((config.get("model") or {}).get("pretrained"), pinned))
     wanted = [c for key in COLUMN_KEYS for c in ([data[key]] if isinstance(data.get(key), str) else data.get(key) or [])]
     for key in PATH_KEYS:
         path = Path(data[key]) if data.get(key) else None
@@ -129,8 +126,12 @@ def _model_source(pretrained: Any, pinned: dict[str, dict[str, str]]) -> Any:
     return str(checkpoint) if checkpoint else None
 
 
-def _check_max_length(max_length: Any, pretrained: Any) -> None:
-    """Truncation length: > 0 (0 would silently train untruncated), and within the model's positions."""
+def _check_lengths(max_length: Any, pad: Any, pretrained: Any) -> None:
+    """Truncation length: > 0 (0 would silently train untruncated); padding multiple: a positive int; both
+    within the model's positions (a batch padded past them fails in the embedding, a device assert on CUDA)."""
+    if pad is not None and (isinstance(pad, bool) or not isinstance(pad, int) or pad < 1):
+        raise ConfigError(f"data.{PAD_KEY}={pad} is not a positive number of tokens; use null (pad each batch to "
+                          f"its longest sample), 8 (tensor cores), or '${{data.max_length}}' (one shape for every batch)")
     if max_length is None:
         return
     if not isinstance(max_length, int) or max_length <= 0:
@@ -142,3 +143,8 @@ def _check_max_length(max_length: Any, pretrained: Any) -> None:
     if positions and max_length > positions:
         raise ConfigError(f"data.max_length={max_length} is more than the {positions} positions of "
                           f"model.pretrained={pretrained}; set data.max_length<={positions}")
+    padded = max_length if pad is None else -(-max_length // pad) * pad  # the longest batch, padded
+    if positions and padded > positions:
+        raise ConfigError(f"data.{PAD_KEY}={pad} pads batches of data.max_length={max_length} tokens to {padded}, "
+                          f"more than the {positions} positions of model.pretrained={pretrained}; use a divisor of "
+                          f"{positions}, or '${{data.max_length}}'")
