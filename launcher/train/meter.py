@@ -18,9 +18,11 @@ PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A
 
 
 def peak_flops(device: torch.device, precision: str, tf32: bool = True) -> float | None:
-    """The GPU's peak for this precision, or None where it is unknown (every CPU, and fp32 without TF32, which
-    runs 7-15x under the TF32 peak depending on the GPU: not invented)."""
+    """The GPU's peak for this precision, or None where it is unknown (not invented): every CPU, fp32 without
+    TF32 (7-15x under the TF32 peak, by GPU), and bf16/fp32 before Ampere (V100: no bf16 or TF32 tensor cores)."""
     if device.type != "cuda" or (precision == "fp32" and not tf32):
+        return None
+    if precision != "fp16" and torch.cuda.get_device_capability(device) < (8, 0):
         return None
     name = torch.cuda.get_device_name(device)
     peak = next((v for k, v in PEAK_FLOPS.items() if k in name), None)
