@@ -151,3 +151,15 @@ def test_mfu_has_no_peak_where_none_is_known() -> None:
 
     assert peak_flops(torch.device("cpu"), "bf16") is None
     assert peak_flops(torch.device("cuda", 0), "fp32", tf32=False) is None
+
+
+def test_slurm_rendezvous_ports_differ_by_job_and_requeue_and_stay_below_ephemeral_ports() -> None:
+    """PITFALLS #22 on Slurm: jobs sharing a node rendezvous on ports of their own. Array tasks whose ids have
+    the same digits (1_23, 12_3) get two ports, and every port is below Linux's ephemeral range (32768 on)."""
+    from launcher.launch.slurm import rendezvous_port
+
+    assert rendezvous_port("1_23", 0) != rendezvous_port("12_3", 0) != rendezvous_port("123", 0)
+    assert rendezvous_port("4711", 0) != rendezvous_port("4711", 1)
+    ports = {rendezvous_port(f"{job}_{task}", restart) for job in range(1000, 1020) for task in range(50)
+             for restart in range(2)}
+    assert min(ports) >= 20000 and max(ports) < 32768 and len(ports) > 1500  # 2000 ids, few collisions

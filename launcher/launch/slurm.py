@@ -5,6 +5,7 @@ Exercised by: `python -m launcher +exp=toy launcher=slurm` and tests/test_slurm.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -85,9 +86,11 @@ def queue(run_dir: Path, config_path: Path, plan: Plan, launcher: DictConfig, sw
 
 
 def rendezvous_port(job_id: str, restart: int) -> int:
-    """A port per job and per requeue: jobs that share a node never clash (no fixed 29500)."""
-    digits = int("".join(c for c in job_id if c.isdigit()) or 0)
-    return 20000 + (digits * 31 + restart) % 20000
+    """A port per job and per requeue, so that jobs sharing a node do not clash (no fixed 29500): a hash of the
+    whole id (its digits alone made array tasks 1_23 and 12_3 one port), below Linux's ephemeral range
+    (32768 on), whose outgoing connections could hold it."""
+    digest = hashlib.sha256(f"{job_id}-{restart}".encode()).digest()
+    return 20000 + int.from_bytes(digest[:4], "big") % 12768
 
 
 DEPENDENCY = re.compile(r"^(singleton|(after|afterok|afternotok|afterany|aftercorr|afterburstbuffer)(:\d+(_\d+)?"
