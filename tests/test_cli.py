@@ -142,6 +142,21 @@ def test_a_slurm_sweep_over_the_micro_batch_is_one_job_array(tmp_path: Path) -> 
             for i in range(3)] == [4, 2, None]
 
 
+def test_a_slurm_job_of_two_8_gpu_nodes_is_one_task_per_node_and_a_world_of_16(tmp_path: Path) -> None:
+    """PITFALLS #20 (Hydra + submitit + DDP used 1 GPU, or spawned again inside srun): the submission rendered
+    for launcher.nodes=2 launcher.gpus_per_node=8 asks for one task per node holding 8 GPUs, whose torchrun
+    starts 8 workers: world size 16 on CUDA (a dry run: no cluster and no GPU needed)."""
+    out = run_cli("+exp=toy", "launcher=slurm", "launcher.device=auto", "launcher.nodes=2", "launcher.gpus_per_node=8",
+                  "launcher.dry_run=true",
+                  "train.global_batch_size=256", f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    params = json.loads(out.stdout.split("executor parameters: ", 1)[1].splitlines()[0])
+    assert (params["nodes"], params["ntasks_per_node"], params["gpus_per_node"]) == (2, 1, 8)
+    plan = OmegaConf.load(tmp_path / "run" / "config.yaml").plan
+    assert (plan.world_size, plan.nproc_per_node, plan.device_type, plan.grad_accum_steps) == (16, 8, "cuda", 2)
+    assert "--nnodes=2 --nproc-per-node=8" in out.stdout and "srun" not in out.stdout
+
+
 def test_a_slurm_sweep_launched_again_queues_only_its_unfinished_points(tmp_path: Path) -> None:
     """A sweep's command again (after some points finished, others failed or never ran): the finished points
     start nothing, the rest become the job array (dry run, no cluster needed). Point 0 finished on this host."""
