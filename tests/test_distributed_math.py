@@ -1,6 +1,6 @@
 """The distributed math, proven with real processes: torchrun + gloo on CPU.
 
-PITFALLS #1 #3 #4/#5 #7 #17 and issue 2's tests 1-4.
+PITFALLS #1 #3 #4/#5 #7 #17 #24 and issue 2's tests 1-4.
 """
 from __future__ import annotations
 
@@ -50,6 +50,18 @@ def test_short_last_window_gives_the_gradient_of_one_big_batch(tmp_path: Path) -
     split = train_cli(tmp_path / "w2k4", *common, "launcher.nproc_per_node=2", "train.micro_batch_size=2")
     whole = train_cli(tmp_path / "w1k1", *common, "launcher.nproc_per_node=1", "train.micro_batch_size=16")
     assert_params_close(split, whole, rtol=1e-10)
+
+
+def test_a_short_window_is_averaged_over_its_own_samples(tmp_path: Path) -> None:
+    """PITFALLS #1 against an independent reference: 12 samples and a global batch of 16 make every step a short
+    window (2 ranks, micro-batch 2: 3 of 4 micro-batches each); it trains as a global batch of exactly those 12
+    does (1 rank, one micro-batch), so the gradient is divided by the 12 items, not by the configured 16."""
+    common = ("data.n_samples=12", "train.max_steps=6")
+    short = train_cli(tmp_path / "short", *common, "train.global_batch_size=16", "launcher.nproc_per_node=2",
+                      "train.micro_batch_size=2")
+    exact = train_cli(tmp_path / "exact", *common, "train.global_batch_size=12", "launcher.nproc_per_node=1",
+                      "train.micro_batch_size=12")
+    assert_params_close(short, exact, rtol=1e-10)
 
 
 def test_mean_over_k_would_be_wrong_on_a_short_window() -> None:
@@ -105,6 +117,45 @@ def test_one_gradient_sync_per_step_and_ranks_stay_identical(tmp_path: Path, com
         assert s0["params"] == s1["params"]  # bitwise after every step
         assert s0["loss"] == s1["loss"]
         assert not set(s0["sample_ids"]) & set(s1["sample_ids"])  # disjoint shares of the step
+
+
+def global_norm(grads: list[torch.Tensor]) -> float:
+    return float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.double()) for g in grads])))
+
+
+def test_fp16_clips_the_unscaled_gradients_as_fp32_does(tmp_path: Path) -> None:
+    """PITFALLS #4 (fp16 + clipping: training barely moves): the norm is taken, and the clip applied, after the
+    loss scale is divided out, so fp16 reports fp32's norm and hands the optimizer gradients clipped to
+    max_grad_norm, not to max_grad_norm / scale (which the scale's 1024 would make 1000x too small)."""
+    common = ("train.global_batch_size=32", "train.micro_batch_size=4", "train.max_steps=3", "train.max_grad_norm=0.05")
+    fp32 = probe(tmp_path / "fp32", 2, "sync", *common)
+    fp16 = probe(tmp_path / "fp16", 2, "sync", *common, "precision=fp16", "precision.init_scale=1024")
+    for a, b in zip(fp32[0]["steps"], fp16[0]["steps"]):
+        assert a["grad_norm"] > 0.5 and b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-2)
+        assert global_norm(a["synced_grads"]) == pytest.approx(0.05, rel=1e-4)
+        assert global_norm(b["synced_grads"]) == pytest.approx(0.05, rel=1e-4)
+        assert all(g.dtype == torch.float32 for g in b["synced_grads"])
+
+
+def test_bf16_accumulates_32_micro_batches_in_float32(tmp_path: Path) -> None:
+    """PITFALLS #24 (bf16 accumulation over many micro-batches drifts): under bf16 autocast the weights and their
+    gradients stay float32, so 32 micro-batches of 1 sum to what one micro-batch of 32 gives, to within the
+    forward's own bf16 rounding; the same 32 gradients added up in bfloat16 (the bug) are several times further
+    off."""
+    common = ("precision=bf16", "train.global_batch_size=32", "train.max_steps=1", "train.max_grad_norm=null")
+    split = probe(tmp_path / "k32", 1, "sync", *common, "train.micro_batch_size=1")[0]["steps"][0]
+    whole = probe(tmp_path / "k1", 1, "sync", *common, "train.micro_batch_size=32")[0]["steps"][0]
+    assert split["micro_batches"] == 32 and whole["micro_batches"] == 1
+    assert all(g.dtype == torch.float32 for g in split["synced_grads"])
+    error = max(float((g - h).norm() / h.norm()) for g, h in zip(split["synced_grads"], whole["synced_grads"]))
+    # the control: the same 32 micro-batch gradients added up in bfloat16
+    sums = [*split["unsynced_grads"], split["synced_grads"]]  # the sum after 1, 2, ..., 32 micro-batches
+    in_bf16 = [g.bfloat16() for g in sums[0]]
+    for before, after in zip(sums, sums[1:]):
+        in_bf16 = [total + (b - a).bfloat16() for total, a, b in zip(in_bf16, before, after)]
+    bf16_error = max(float((g.float() - h).norm() / h.norm()) for g, h in zip(in_bf16, whole["synced_grads"]))
+    # here 2e-3 (the bf16 forward of 1 sample or of 32 rounds differently) against 1.4e-2 for the bug
+    assert error < 1e-2 and error < bf16_error / 3, (error, bf16_error)
 
 
 @pytest.mark.parametrize("fused", [False, True], ids=["foreach", "fused"])

@@ -157,6 +157,25 @@ def test_preemption_checkpoints_then_resume_auto_is_exact(tmp_path: Path, refere
     assert not (run_dir / "preempted.json").exists()
 
 
+def test_a_signal_to_one_rank_stops_every_rank_at_the_same_step(tmp_path: Path, reference) -> None:
+    """PITFALLS #11: USR2 to rank 1's process alone (a notice that reached one node, or one process) -> the
+    flag travels in the step's all-reduce, both ranks stop after the same step with one complete checkpoint
+    and no half-written one, the launcher exits with the requeue code, and the resume is exact."""
+    run_dir = tmp_path / "one_rank"
+    proc = start(run_dir, *SLOW)
+    wait_until(lambda: logged_step(run_dir) >= random.randint(25, 45))
+    os.kill(worker_pid(proc.pid, rank=1), signal.SIGUSR2)
+    finish(proc, REQUEUE_EXIT_CODE)
+    step = json.loads((run_dir / "preempted.json").read_text())["step"]
+    assert max(m["step"] for m in read_metrics(run_dir)) == step
+    assert (run_dir / "checkpoints" / str(step) / "COMPLETE").exists()
+    assert all((d / "COMPLETE").exists() for d in (run_dir / "checkpoints").iterdir())  # none half-written
+    out = finish(start(run_dir, *SLOW), 0)
+    assert f"resumed from step {step}" in out
+    assert bitwise_equal(weights(run_dir), weights(reference["fp32"]))
+    assert sample_stream(run_dir) == sample_stream(reference["fp32"])
+
+
 def test_dropout_continues_each_ranks_random_stream_across_a_preemption(tmp_path: Path, reference) -> None:
     """Randomness in the forward (dropout, as in +exp=bert): the resumed run draws what the uninterrupted
     one drew, rank by rank, so losses and final weights are bitwise the same."""
