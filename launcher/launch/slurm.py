@@ -71,12 +71,17 @@ def slurm_state(job_id: str) -> str:
     return slurm_states([job_id])[job_id]
 
 
+def recorded_job(run_dir: Path) -> str | None:
+    """The id of the run dir's Slurm job, from its slurm.json (None: the run was never submitted)."""
+    record = run_dir / JOB_FILE
+    return json.loads(record.read_text())["job_id"] if record.is_file() else None
+
+
 def active_job(run_dir: Path) -> str | None:
     """"job <id> is <state>" when the run dir's Slurm job has not ended (None: none, or it ended)."""
-    record = run_dir / JOB_FILE
-    if not record.is_file():
+    job_id = recorded_job(run_dir)
+    if job_id is None:
         return None
-    job_id = json.loads(record.read_text())["job_id"]
     state = slurm_state(job_id)
     return f"job {job_id} is {state}" if state in ACTIVE else None
 
@@ -107,11 +112,11 @@ def dependency(launcher: dict[str, Any]) -> str | None:
                               f"afterok:1234, afterany:1234:1235 or singleton")
         parts.append(launcher["dependency"])
     if launcher["after"]:
-        record = Path(launcher["after"]) / JOB_FILE
-        if not record.is_file():
+        job_id = recorded_job(Path(launcher["after"]))
+        if job_id is None:
             raise ConfigError(f"launcher.after={launcher['after']} holds no {JOB_FILE}: name the run dir of a run "
                               f"submitted with launcher=slurm")
-        parts.append(f"afterok:{json.loads(record.read_text())['job_id']}")
+        parts.append(f"afterok:{job_id}")
     return ",".join(parts) or None
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from launcher.launch.run_lock import lock_holder
-from launcher.launch.slurm import JOB_FILE, slurm_states
+from launcher.launch.slurm import recorded_job, slurm_states
 from launcher.preempt import PREEMPTED_FILE
 from launcher.rundir import best_record, complete_steps
 
@@ -20,11 +20,6 @@ def run_dirs(root: Path) -> list[Path]:
         return [root]
     found = [p.parent for p in root.rglob("config.yaml") if p.parent.name != ".hydra"]
     return sorted(found, key=lambda p: (len(p.parts), p.name.zfill(8), str(p)))
-
-
-def slurm_job(run_dir: Path) -> str | None:
-    record = run_dir / JOB_FILE
-    return json.loads(record.read_text())["job_id"] if record.is_file() else None
 
 
 def describe(run_dir: Path, job: str | None, slurm: dict[str, str]) -> dict[str, Any]:
@@ -57,7 +52,7 @@ def main(argv: list[str]) -> int:
     if len(argv) != 1 or not Path(argv[0]).is_dir():
         print("usage: python -m launcher.launch.status <run dir or sweep dir>", file=sys.stderr)
         return 2
-    jobs = {run_dir: slurm_job(run_dir) for run_dir in run_dirs(Path(argv[0]))}
+    jobs = {run_dir: recorded_job(run_dir) for run_dir in run_dirs(Path(argv[0]))}
     slurm = slurm_states([job for job in jobs.values() if job])  # one query for a whole sweep
     rows = [describe(run_dir, job, slurm) for run_dir, job in jobs.items()]
     if not rows:
