@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import sys
+import warnings
 from pathlib import Path
 
 import torch
@@ -124,25 +125,29 @@ def observe(cfg: DictConfig, env: launcher_dist.DistEnv, config_path: str, mode:
     progress = Progress()
     ledger = step_ledger(run, progress)
     timer = ComputeTimer(env.device, env.rank, env.world_size)
-    for step in range(run.max_steps):
-        micro.update(index=-1, step=step, snapshots=[], items=[])
-        hook_state.update(calls=0, micro_at_call=[])
-        synced.clear()
-        scale_before, sched_before = run.scaler.get_scale(), run.scheduler.last_epoch
-        window = windows[step]
-        skipped_before = progress.skipped_steps
-        result = train_step(run.model, run.task, window, run.optimizer, ledger, run.scaler, run.precision,
-                            run.max_grad_norm, env.device, timer, run.out_of_memory)
-        ledger.settle()  # what the loop does at its log steps: the step's skip and scheduler step are read
-        out["steps"].append({
-            "micro_batches": len(window.micro_batches), "sample_ids": window.sample_ids,
-            "comm_hook_calls": hook_state["calls"], "micro_at_call": hook_state["micro_at_call"],
-            "items_per_micro_batch": micro["items"], "unsynced_grads": micro["snapshots"],
-            "synced_grads": synced[0] if synced else None,
-            "grad_norm": result.grad_norm.item(), "loss": result.loss.item(), "stepped": progress.skipped_steps == skipped_before, "optimizer_state": len(run.optimizer.state),
-            "params": params_hash(run.model.module), "scale_before": scale_before,
-            "scale_after": run.scaler.get_scale(), "sched_before": sched_before,
-            "sched_after": run.scheduler.last_epoch, "lr": run.scheduler.get_last_lr()[0]})
+    with warnings.catch_warnings(record=True) as caught:  # PITFALLS #7: a skipped step warns of nothing
+        warnings.simplefilter("always")
+        for step in range(run.max_steps):
+            micro.update(index=-1, step=step, snapshots=[], items=[])
+            hook_state.update(calls=0, micro_at_call=[])
+            synced.clear()
+            scale_before, sched_before = run.scaler.get_scale(), run.scheduler.last_epoch
+            window = windows[step]
+            skipped_before = progress.skipped_steps
+            result = train_step(run.model, run.task, window, run.optimizer, ledger, run.scaler, run.precision,
+                                run.max_grad_norm, env.device, timer, run.out_of_memory)
+            ledger.settle()  # what the loop does at its log steps: the step's skip and scheduler step are read
+            out["steps"].append({
+                "micro_batches": len(window.micro_batches), "sample_ids": window.sample_ids,
+                "comm_hook_calls": hook_state["calls"], "micro_at_call": hook_state["micro_at_call"],
+                "items_per_micro_batch": micro["items"], "unsynced_grads": micro["snapshots"],
+                "synced_grads": synced[0] if synced else None,
+                "grad_norm": result.grad_norm.item(), "loss": result.loss.item(),
+                "stepped": progress.skipped_steps == skipped_before, "optimizer_state": len(run.optimizer.state),
+                "params": params_hash(run.model.module), "scale_before": scale_before,
+                "scale_after": run.scaler.get_scale(), "sched_before": sched_before,
+                "sched_after": run.scheduler.last_epoch, "lr": run.scheduler.get_last_lr()[0]})
+    out["warnings"] = [str(w.message) for w in caught]
     return out
 
 

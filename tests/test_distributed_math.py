@@ -174,6 +174,7 @@ def test_fp16_overflow_on_one_rank_skips_the_step_everywhere(tmp_path: Path, fus
         assert bad["params"] == before["params"]  # the optimizer really did not step
         assert bad["lr"] == before["lr"]
         assert all(s["sched_after"] == s["sched_before"] + 1 for i, s in enumerate(steps) if i != 3)
+        assert rank["warnings"] == [], rank["warnings"]
     for s0, s1 in zip(ranks[0]["steps"], ranks[1]["steps"]):
         assert (s0["scale_after"], s0["params"], s0["lr"]) == (s1["scale_after"], s1["params"], s1["lr"])
 
@@ -185,7 +186,7 @@ def test_a_skipped_first_step_leaves_no_momentum_behind(tmp_path: Path, momentum
     skipped first step leaves no optimizer state at all, and the next steps are finite. Without momentum
     SGD keeps no state, and found_inf skips on the device from the first step on: the weights stay."""
     ranks = probe(tmp_path, 2, "fp16", "precision=fp16", "optimizer=sgd", f"optimizer.momentum={momentum}",
-                  "train.max_steps=3", inf_step=0)
+                  "scheduler=linear", "scheduler.warmup_steps=2", "train.max_steps=3", inf_step=0)
     for rank in ranks:
         steps = rank["steps"]
         assert [s["stepped"] for s in steps] == [False, True, True]
@@ -193,4 +194,6 @@ def test_a_skipped_first_step_leaves_no_momentum_behind(tmp_path: Path, momentum
         assert steps[0]["optimizer_state"] == 0
         assert steps[1]["optimizer_state"] == steps[2]["optimizer_state"] and (steps[2]["optimizer_state"] > 0) == (momentum > 0)
         assert all(math.isfinite(s["loss"]) and math.isfinite(s["grad_norm"]) for s in steps[1:])
+        # PITFALLS #7: the schedule starts with the first real update, and torch has no call out of order to warn of
+        assert [s["sched_after"] for s in steps] == [0, 1, 2] and rank["warnings"] == [], rank["warnings"]
     assert ranks[0]["steps"][2]["params"] == ranks[1]["steps"][2]["params"]
