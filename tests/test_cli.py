@@ -60,17 +60,33 @@ def test_fp16_and_bf16_runs_log_their_precision(tmp_path: Path) -> None:
         assert json.loads((run_dir / "summary.json").read_text())["precision"] == precision
 
 
+# Hydra's ${now:} in both launches reads one instant, as if they had started in the same microsecond
+FROZEN_CLOCK = """import datetime, hydra.core.utils
+class Frozen(datetime.datetime):
+    @classmethod
+    def now(cls, tz=None):
+        return cls(2026, 1, 2, 3, 4, 5, 678901)
+hydra.core.utils.datetime = Frozen
+"""
+
+
 def test_two_launches_at_once_get_two_run_dirs(tmp_path: Path) -> None:
-    """hydra#2925 (same-second dirs) and a fixed rendezvous port (EADDRINUSE) cannot bite."""
+    """PITFALLS #9: hydra#2925 (same-second dirs), here at one frozen instant, and a fixed rendezvous port
+    (EADDRINUSE) cannot bite."""
+    shim = tmp_path / "shim"
+    shim.mkdir()
+    (shim / "sitecustomize.py").write_text(FROZEN_CLOCK)
+    env = subprocess_env(PYTHONPATH=f"{shim}:{REPO}")
     cmd = [sys.executable, "-m", "launcher", *on_the_cpu_plan([*TOY, "launcher.nproc_per_node=2",
                                                                 "train.micro_batch_size=4"])]
-    procs = [subprocess.Popen(cmd, cwd=tmp_path, env=subprocess_env(), stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    procs = [subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True) for _ in range(2)]
     for proc in procs:
         _, err = proc.communicate(timeout=300)
         assert proc.returncode == 0, err[-4000:]
     run_dirs = list((tmp_path / "runs" / "toy").iterdir())
     assert len(run_dirs) == 2
+    assert all(d.name.startswith("2026-01-02_03-04-05-678901_") for d in run_dirs)  # the clock was frozen
     assert all((d / "summary.json").exists() for d in run_dirs)
 
 
