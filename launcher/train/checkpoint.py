@@ -75,29 +75,43 @@ def save(run_dir: Path, step: int, model: torch.nn.Module, train_state: dict[str
     `model_files` writes what the job keeps beside the weights (a transformers job: config.json and the
     tokenizer, which make the checkpoint a save_pretrained dir)."""
     rng_states = all_gather_objects(rng_state(device))
-    root = run_dir / "checkpoints"
-    final = root / str(step)
+    final = run_dir / "checkpoints" / str(step)
+    outcome: list[str | None] = [None]
+    failure = None
     if is_main:
-        tmp = root / f".tmp-{step}"
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        # handles tied weights; transformers 4 loads only a file that says it holds torch tensors
-        save_model(model, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        if model_files:
-            model_files(tmp)
-        torch.save({**train_state, "rng": rng_states}, tmp / "train_state.pt")
-        files = {p.name: _sha256(p) for p in sorted(tmp.iterdir())}
-        (tmp / MARKER).write_text(json.dumps({"step": step, "sha256": files}) + "\n")
-        for item in (*tmp.iterdir(), tmp):
-            _fsync(item)
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)  # atomic: a reader sees no dir or a complete one
-        _fsync(root)
-        for old in complete_steps(run_dir)[:-keep]:
-            if old != also_keep:
-                shutil.rmtree(root / str(old))
-    dist.barrier()
+        try:
+            _write(run_dir, step, model, {**train_state, "rng": rng_states}, keep, model_files, also_keep)
+        except Exception as error:  # a full disk, say: every rank fails with it, rather than wait in a collective
+            failure = error
+            outcome = [f"checkpoint of step {step} in {final.parent} failed: {type(error).__name__}: {error}"]
+    dist.broadcast_object_list(outcome, src=0)  # also the wait for the files: no rank reads them before
+    if outcome[0]:
+        raise RuntimeError(outcome[0].splitlines()[0]) from failure
     return final
+
+
+def _write(run_dir: Path, step: int, model: torch.nn.Module, train_state: dict[str, Any], keep: int,
+           model_files: Callable[[Path], None] | None, also_keep: int | None) -> None:
+    """Rank 0's part of save: the files, made complete at once, then the retention."""
+    root = run_dir / "checkpoints"
+    tmp, final = root / f".tmp-{step}", root / str(step)
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    # handles tied weights; transformers 4 loads only a file that says it holds torch tensors
+    save_model(model, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    if model_files:
+        model_files(tmp)
+    torch.save(train_state, tmp / "train_state.pt")
+    files = {p.name: _sha256(p) for p in sorted(tmp.iterdir())}
+    (tmp / MARKER).write_text(json.dumps({"step": step, "sha256": files}) + "\n")
+    for item in (*tmp.iterdir(), tmp):
+        _fsync(item)
+    shutil.rmtree(final, ignore_errors=True)
+    os.replace(tmp, final)  # atomic: a reader sees no dir or a complete one
+    _fsync(root)
+    for old in complete_steps(run_dir)[:-keep]:
+        if old not in (also_keep, step):
+            shutil.rmtree(root / str(old))
 
 
 def _verify(step_dir: Path) -> None:
@@ -140,13 +154,43 @@ def load_latest(run_dir: Path, model: torch.nn.Module, warn: Callable[[str], Non
     Weights are read to the CPU and copied into the parameters wherever they live; the train state stays
     on the CPU (optimizer.load_state_dict moves its tensors to the parameters' device, and RNG states must
     be CPU byte tensors), so a checkpoint written on GPUs loads on a CPU plan and the other way round."""
-    choice = [_newest_usable(run_dir, warn) if dist.get_rank() == 0 else None]
+    choice: list[Any] = [None]
+    if dist.get_rank() == 0:
+        try:
+            choice = [_resume_point(run_dir, warn)]
+        except Exception as error:  # every rank fails with it, rather than wait in the broadcast
+            choice = [(str(error) or type(error).__name__).splitlines()[0]]
     dist.broadcast_object_list(choice, src=0)
+    if isinstance(choice[0], str):
+        raise RuntimeError(choice[0])
     if choice[0] is None:
         return None
     step_dir = choice[0]
     load_model(model, str(step_dir / "model.safetensors"))
     return torch.load(step_dir / "train_state.pt", weights_only=True, map_location="cpu")
+
+
+def _resume_point(run_dir: Path, warn: Callable[[str], None]) -> Path | None:
+    """Rank 0's part of load_latest. What no resume reads goes: the temp dirs of saves that were killed (each
+    as big as a checkpoint), and the unusable checkpoints newer than the one chosen, moved aside to
+    checkpoints/.unusable-<step>: the retention of later saves counts by step, so it would keep them as the
+    newest and delete the new checkpoints. A run none of whose checkpoints reads back does not start over."""
+    root = run_dir / "checkpoints"
+    for tmp in root.glob(".tmp-*"):
+        shutil.rmtree(tmp)
+    chosen = _newest_usable(run_dir, warn)
+    unusable = [step for step in complete_steps(run_dir) if chosen is None or step > int(chosen.name)]
+    for step in unusable:
+        aside = root / f".unusable-{step}"
+        shutil.rmtree(aside, ignore_errors=True)
+        os.replace(root / str(step), aside)
+    where = f"{root}/.unusable-<step> (steps {', '.join(map(str, unusable))})"
+    if unusable and chosen is None:
+        raise ValueError(f"no checkpoint of this run reads back whole; they are moved aside to {where}: launch "
+                         f"again to train from step 0, or put a good copy back")
+    if unusable:
+        warn(f"warning: moved the unusable checkpoints aside to {where}; delete them once looked at")
+    return chosen
 
 
 def pretrained_sources(run_dir: Path, sections: dict[str, Any], resume: bool,

@@ -24,3 +24,14 @@ def build_scheduler(optimizer: torch.optim.Optimizer, name: str, warmup_steps: i
                     min_lr_ratio: float) -> torch.optim.lr_scheduler.LambdaLR:
     return torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda step: lr_factor(step, name, warmup_steps, max_steps, min_lr_ratio))
+
+
+def resume_schedule(scheduler: torch.optim.lr_scheduler.LambdaLR, saved: dict) -> None:
+    """Continue at a checkpoint's position (its count of real steps) with this run's base lr and shape: a
+    resume under a changed optimizer.lr or scheduler.* (resume.allow_config_change) follows the new config
+    from its first step, and an unchanged one gets the very lr the checkpoint's run would have used."""
+    scheduler.last_epoch, scheduler._step_count = saved["last_epoch"], saved["_step_count"]
+    lrs = [base * factor(scheduler.last_epoch) for base, factor in zip(scheduler.base_lrs, scheduler.lr_lambdas)]
+    for group, lr in zip(scheduler.optimizer.param_groups, lrs):
+        group["lr"] = lr
+    scheduler._last_lr = lrs

@@ -32,7 +32,7 @@ from launcher.train.loop import Run, train
 from launcher.train.metrics import RunLog
 from launcher.train.precision import Precision
 from launcher.train.profile import StepProfiler
-from launcher.train.schedule import build_scheduler
+from launcher.train.schedule import build_scheduler, resume_schedule
 from launcher.train.sync_check import SyncCheck
 from launcher.train.watchdog import Watchdog
 
@@ -132,8 +132,13 @@ def restore(run: Run, state: dict[str, Any] | None, seed: int, allow_config_chan
     if state["config_hash"] != run.config_hash and not allow_config_change:
         raise RuntimeError(f"the checkpoint was trained with config {state['config_hash']}, this run is "
                            f"{run.config_hash}; set resume.allow_config_change=true to resume anyway")
-    run.optimizer.load_state_dict(state["optimizer"])
-    run.scheduler.load_state_dict(state["scheduler"])
+    # The checkpoint holds the state (moments, step counts, the schedule's position); this run's config holds the
+    # settings (lr, betas, weight decay, fused...): a change that resume.allow_config_change let through applies.
+    saved = state["optimizer"]
+    settings = run.optimizer.state_dict()["param_groups"]
+    run.optimizer.load_state_dict({**saved, "param_groups": [{**new, "params": old["params"]} for new, old
+                                                              in zip(settings, saved["param_groups"], strict=True)]})
+    resume_schedule(run.scheduler, state["scheduler"])
     if state["scaler"] and run.scaler.is_enabled():
         run.scaler.load_state_dict(state["scaler"])
     progress = Progress(**state["progress"])
