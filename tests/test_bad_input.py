@@ -1,5 +1,6 @@
 """Every user mistake: exit 2 before any worker starts, ONE line naming the key and what would be valid,
-no traceback, no half-made run dir (issue 6)."""
+no traceback, no half-made run dir (issue 6). What only the job's own code can tell (an argument its target
+does not take, a task without a part the launcher calls) stops the workers before the first step: one line too."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -8,6 +9,8 @@ import pytest
 import torch
 
 from conftest import run_cli
+from jobs.toy import ToyRegression
+from launcher.train.job import check_task
 
 
 def make_csv(tmp_path: Path) -> str:
@@ -153,3 +156,37 @@ def test_cuda_plan_without_a_gpu_is_one_line(tmp_path: Path) -> None:
         "error: launcher.device=cuda but torch sees no GPU on this node (torch.cuda.device_count() is 0); use "
         "launcher.device=auto or launcher.device=cpu"]
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("override, expected", [
+    ("+data.seq_lenn=16", "data._target_=jobs.toy.ToyRegression failed: TypeError: ToyRegression.__init__() got an "
+                          "unexpected keyword argument 'seq_lenn'; the keys of data.* are its arguments"),
+    ("model._target_=jobs.toy.MLPP", "model._target_=jobs.toy.MLPP failed: ImportError: Error loading 'jobs.toy.MLPP'"),
+    ("+optimizer.nope=1", "optimizer._target_=torch.optim.AdamW failed: TypeError: AdamW.__init__() got an "
+                          "unexpected keyword argument 'nope'")], ids=["data argument", "model target", "optimizer argument"])
+def test_what_only_the_job_can_tell_is_one_line_from_the_workers(tmp_path: Path, override: str, expected: str) -> None:
+    """Hydra's error ends in `full_key: data`, which was all of the launcher's line."""
+    out = run_cli("+exp=toy", override, f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)
+    assert out.returncode == 1
+    line = out.stderr.strip().splitlines()[-1]
+    assert line.startswith("error: rank ") and f"failed: ValueError: {expected}" in line, line
+
+
+class WithoutEvalSums:
+    """A task whose eval set the launcher would evaluate with parts it does not have."""
+
+    def __init__(self) -> None:
+        toy = ToyRegression(n_samples=64, in_features=4)
+        self.train_set, self.eval_set, self.collate = toy.train_set, toy.eval_set, toy.collate
+        self.count_items, self.loss_sum = toy.count_items, toy.loss_sum
+
+
+def test_a_task_without_a_part_the_launcher_calls_fails_before_the_first_step() -> None:
+    with pytest.raises(ValueError) as error:
+        check_task(WithoutEvalSums(), "my.Task")
+    assert str(error.value) == ("data._target_=my.Task built a WithoutEvalSums without eval_sum_keys, eval_sums, "
+                                "eval_metrics: a task has what launcher/task.py's Task lists (the eval parts only "
+                                "with an eval_set)")
+    task = WithoutEvalSums()
+    task.eval_set = None
+    check_task(task, "my.Task")  # no eval set: no eval parts needed

@@ -13,7 +13,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
@@ -27,6 +26,7 @@ from launcher.train import dist as launcher_dist
 from launcher.train.best import Best
 from launcher.train.compiled import CompileWatch, compile_module, failures_in_one_line
 from launcher.train.data import DataPlan, rank_seed, seed_all
+from launcher.train.job import build_part, check_task
 from launcher.train.ledger import Progress
 from launcher.train.loop import Run, train
 from launcher.train.metrics import RunLog
@@ -55,8 +55,9 @@ def build(cfg: DictConfig, run_dir: Path, env: launcher_dist.DistEnv) -> Run:
     # model.pretrained / data.tokenizer may name a run dir: a checkpoint of that run, the same on every rank
     sources = checkpoint.pretrained_sources(run_dir, {"model": cfg.model, "data": cfg.data}, cfg.resume.mode != "never",
                                             warn=lambda message: print(message, file=sys.stderr, flush=True))
-    task = instantiate(cfg.data, **sources["data"])
-    model = instantiate(cfg.model, **sources["model"]).to(env.device)
+    task = build_part("data", cfg.data, **sources["data"])
+    check_task(task, cfg.data._target_)
+    model = build_part("model", cfg.model, **sources["model"]).to(env.device)
     model.train()  # dropout on from step 1: HF's from_pretrained returns a model in eval mode
     if env.device.type == "cuda" and train_cfg.tf32:  # TF32 matmuls on Ampere+: ~free speed for fp32 parts
         # The legacy flags, not the per-backend fp32_precision of torch 2.9+: a write through that makes
@@ -76,7 +77,7 @@ def build(cfg: DictConfig, run_dir: Path, env: launcher_dist.DistEnv) -> Run:
     fused = {"fused": True} if _takes_fused(cfg.optimizer) else {}
     # _convert_: plain lists (betas) in the optimizer's state, so checkpoints load with weights_only=True
     # on every torch (2.6's unpickler refuses omegaconf's ListConfig)
-    optimizer = instantiate(cfg.optimizer, params=ddp.parameters(), _convert_="all", **fused)
+    optimizer = build_part("optimizer", cfg.optimizer, params=ddp.parameters(), _convert_="all", **fused)
     scheduler = build_scheduler(optimizer, cfg.scheduler.name, cfg.scheduler.warmup_steps, train_cfg.max_steps,
                                 cfg.scheduler.min_lr_ratio)
     precision = Precision(cfg.precision.name, env.device.type, train_cfg.tf32)

@@ -1,0 +1,41 @@
+"""The job's task and model from the config (data._target_, model._target_): Hydra's instantiate, whose error
+becomes one line naming the config group, and a task checked for what the launcher calls on it.
+
+Hydra's own error ends in `full_key: data`, and the launcher shows the last line of a rank's error: that line
+alone named neither the target nor what went wrong. Exercised by: tests/test_bad_input.py.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from hydra.errors import InstantiationException
+from hydra.utils import instantiate
+from omegaconf import DictConfig
+
+# What the launcher uses of every task, and of one with an eval set (launcher/task.py's Task)
+TASK_PARTS = ("train_set", "eval_set", "collate", "count_items", "loss_sum")
+EVAL_PARTS = ("eval_sum_keys", "eval_sums", "eval_metrics")
+
+
+def build_part(group: str, section: DictConfig, **kwargs: Any) -> Any:
+    """instantiate(section, **kwargs); a failure is a ValueError whose one line says which group, which target
+    and what failed (the job's own error, or an argument the target does not take)."""
+    try:
+        return instantiate(section, **kwargs)
+    except InstantiationException as error:
+        cause = error.__cause__ or error
+        what = " ".join(line.strip() for line in str(cause).splitlines() if line.strip())[:300]
+        hint = (f"; the keys of {group}.* are its arguments (--cfg job shows them)"
+                if isinstance(cause, TypeError) else "")
+        raise ValueError(f"{group}._target_={section.get('_target_')} failed: {type(cause).__name__}: "
+                         f"{what}{hint}") from error
+
+
+def check_task(task: Any, target: str) -> None:
+    """Raise, before the first step, when the task lacks a part the launcher will call (an eval would
+    otherwise fail only at train.eval_every, after the steps before it were trained for nothing)."""
+    needed = TASK_PARTS + (EVAL_PARTS if getattr(task, "eval_set", None) is not None else ())
+    missing = [name for name in needed if not hasattr(task, name)]
+    if missing:
+        raise ValueError(f"data._target_={target} built a {type(task).__name__} without {', '.join(missing)}: a "
+                         f"task has what launcher/task.py's Task lists (the eval parts only with an eval_set)")
