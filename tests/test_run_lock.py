@@ -1,6 +1,6 @@
 """One launch at a time in a run dir: a second `python -m launcher` into a run dir whose launch goes on starts
 nothing and writes nothing there (launcher=local and launcher=slurm alike); status shows the run RUNNING; the
-lock goes with its process, however that ends."""
+lock goes with its process, however that ends, and so do its workers."""
 from __future__ import annotations
 
 import errno
@@ -10,6 +10,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -17,7 +18,7 @@ import pytest
 from conftest import REPO, run_cli, subprocess_env
 from launcher.launch.run_lock import launch_lock, lock_holder
 from launcher.preempt import REQUEUE_EXIT_CODE
-from test_resume import finish, logged_step, start, wait_until
+from test_resume import finish, logged_step, start, wait_until, worker_pid
 
 HOLD = "import sys, time; from pathlib import Path; from launcher.launch.run_lock import launch_lock\n" \
        "with launch_lock(Path(sys.argv[1])) as holder:\n    assert holder is None; print('held', flush=True); " \
@@ -99,3 +100,30 @@ def test_a_second_launch_into_a_running_run_dir_starts_nothing(tmp_path: Path) -
         first.send_signal(signal.SIGUSR2)  # preempted: it checkpoints and exits with the requeue code
     finish(first, REQUEUE_EXIT_CODE)
     assert lock_holder(run_dir) is None and " PREEMPTED " in status_row(run_dir)
+
+
+def alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_a_launcher_killed_outright_takes_its_workers_with_it(tmp_path: Path) -> None:
+    """kill -9 of the launcher leaves no signal to relay. torchrun starts the workers in sessions of their own:
+    they trained on, unwatched, with the run dir's lock gone, and a relaunch trained beside them."""
+    run_dir = tmp_path / "run"
+    first = start(run_dir, "data.sleep_s=0.05", "train.max_steps=100000")
+    workers = []
+    try:
+        wait_until(lambda: logged_step(run_dir) >= 2)
+        workers = [worker_pid(first.pid, rank) for rank in (0, 1)]
+        first.kill()
+        first.communicate(timeout=30)
+        wait_until(lambda: not any(map(alive, workers)), timeout=10)
+        step = logged_step(run_dir)
+        time.sleep(1)
+        assert logged_step(run_dir) == step  # nothing trains in the run dir any more
+    finally:
+        for pid in filter(alive, workers):  # (without the fix: stop them here)
+            os.kill(pid, signal.SIGKILL)

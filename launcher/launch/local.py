@@ -29,6 +29,7 @@ from launcher.derived import NODE_CONFIG, node_view
 from launcher.launch.plan import Plan
 from launcher.preempt import PREEMPTED_FILE, REQUEUE_EXIT_CODE, preemption_signals, read_preempted
 from launcher.rundir import HANG_DIR, hang_summary
+from launcher.train.orphan import AGENT_PID
 
 COMM_TRACES_DIR = "comm_traces"  # NCCL flight recorder dumps, one file per rank, when a collective times out
 
@@ -74,14 +75,15 @@ def rendezvous_endpoint(rendezvous: list[str]) -> str:
 def worker_env(plan: Plan, run_dir: Path) -> dict[str, str]:
     """What the agent's workers get on top of this process's environment (a user's own setting wins).
 
-    A CPU plan's workers get CUDA_VISIBLE_DEVICES="": they never see, or initialise, a GPU. A CUDA plan's
+    Every worker learns the agent's pid, so that it ends with this process (launcher/train/orphan.py). A CPU
+    plan's workers get CUDA_VISIBLE_DEVICES="": they never see, or initialise, a GPU. A CUDA plan's
     workers get the CUDA allocator's expandable segments, and NCCL's flight recorder (each rank's last 2000
     collectives; torch records none before 2.11 unless told) dumps into <run_dir>/comm_traces/ when a collective
     times out, under the variables' names that this torch reads (launcher/compat.py).
     """
+    env = {AGENT_PID: str(os.getpid())}  # the agent runs in this process: the workers end with it
     if plan.device_type == "cpu":
-        return {"CUDA_VISIBLE_DEVICES": ""}
-    env = {}
+        return {**env, "CUDA_VISIBLE_DEVICES": ""}
     # Expandable segments: less fragmentation, so fewer out-of-memory errors at a size that fits. The old
     # name: every torch from 2.6 reads it (2.8-2.11 warn that it is deprecated), while 2.9 ignored
     # expandable_segments under the new PYTORCH_ALLOC_CONF (pytorch#183387).

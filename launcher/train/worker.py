@@ -30,6 +30,7 @@ from launcher.train.job import build_part, check_task
 from launcher.train.ledger import Progress
 from launcher.train.loop import Run, train
 from launcher.train.metrics import RunLog
+from launcher.train.orphan import end_with_the_agent
 from launcher.train.precision import Precision
 from launcher.train.profile import StepProfiler
 from launcher.train.schedule import build_scheduler, resume_schedule
@@ -154,6 +155,7 @@ def restore(run: Run, state: dict[str, Any] | None, seed: int, allow_config_chan
 
 @record  # the agent reports this worker's traceback in its failure summary
 def main(config_path: str) -> None:
+    end_with_the_agent()
     path = Path(config_path).resolve()
     cfg = OmegaConf.load(path)
     stop = StopFlag(preemption_signals(cfg.launcher.signal))  # first: a signal during start-up is kept
