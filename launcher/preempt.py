@@ -1,5 +1,5 @@
 """Preemption: a signal only sets a flag; the ranks agree at the next step boundary, save one complete
-checkpoint, and the launcher exits with REQUEUE_EXIT_CODE.
+checkpoint, and the launcher exits with REQUEUE_EXIT_CODE (Ctrl-C's SIGINT too: stopped, to go on later).
 
 torchrun's agent relays the signals it is told to handle (`--signals-to-handle`) to every worker, so a
 signal to the launcher's process reaches all ranks. Exercised by: tests/test_resume.py.
@@ -7,6 +7,7 @@ signal to the launcher's process reaches all ranks. Exercised by: tests/test_res
 from __future__ import annotations
 
 import json
+import os
 import signal
 from pathlib import Path
 from types import FrameType
@@ -25,14 +26,42 @@ def signal_named(name: str) -> signal.Signals | None:
 
 
 def preemption_signals(name: str) -> list[signal.Signals]:
-    """SIGTERM (what schedulers and `kill` send) plus the configured one (USR2: NCCL may own USR1)."""
-    return sorted({signal.SIGTERM, signal_named(name)})
+    """SIGTERM (what schedulers and `kill` send), SIGINT (Ctrl-C: the run stops with a checkpoint, to go on
+    later; a second Ctrl-C stops it at once) and the configured one (USR2: NCCL may own USR1)."""
+    return sorted({signal.SIGTERM, signal.SIGINT, signal_named(name)})
+
+
+def write_preempted(run_dir: Path, step: int, signum: int, saved: bool = True) -> None:
+    """preempted.json: the launch ended on a preemption signal; `step` is the checkpoint it resumes from (saved:
+    written for this stop; else the newest before it, 0 for none: the workers ended before they saved)."""
+    text = json.dumps({"step": step, "signal": signum, "saved": saved}) + "\n"
+    try:  # an agent's record of a stop without a save never replaces rank 0's of its save (another node's agent
+        # may see its workers end before rank 0 writes), while rank 0's replaces any
+        with open(run_dir / PREEMPTED_FILE, "w" if saved else "x") as f:
+            f.write(text)
+    except FileExistsError:
+        pass
 
 
 def read_preempted(run_dir: Path) -> dict[str, int] | None:
-    """The step and signal of this run dir's preemption checkpoint, or None."""
+    """The step, signal and `saved` of this run dir's preemption record (launcher/preempt.py), or None."""
     marker = run_dir / PREEMPTED_FILE
     return json.loads(marker.read_text()) if marker.exists() else None
+
+
+def stop_line(record: dict[str, int], run_dir: Path) -> str:
+    """What the launcher prints when a preemption signal ended its workers."""
+    step = record["step"]
+    # 0: this rank was not signalled itself; it stopped with the ranks that were (a signal to one of them)
+    name = signal.Signals(record["signal"]).name if record["signal"] else "a signal to another rank"
+    how = "stopped" if record["signal"] == signal.SIGINT else "preempted"
+    relaunch = f"relaunch with hydra.run.dir={run_dir} to"
+    if record.get("saved", True):
+        return f"{how} by {name}: checkpoint saved at step {step}; {relaunch} resume (exit code {REQUEUE_EXIT_CODE})"
+    # the signal came while the workers started, or their save took longer than launcher.shutdown_timeout_s
+    return (f"{how} by {name} before the workers saved a checkpoint (they were starting, were stopped again, or "
+            f"took longer than launcher.shutdown_timeout_s); {relaunch} {f'resume from step {step}' if step else 'start over'} "
+            f"(exit code {REQUEUE_EXIT_CODE})")
 
 
 class StopFlag:
@@ -44,6 +73,8 @@ class StopFlag:
             signal.signal(sig, self._handler)
 
     def _handler(self, signum: int, frame: FrameType | None) -> None:
+        if self.signum == signal.SIGINT:  # Ctrl-C, then any signal (the agent's on a second Ctrl-C): end now,
+            os._exit(128 + signal.SIGINT)  # without the save. A scheduler's stop never starts with SIGINT.
         self.signum = signum  # nothing else: no I/O and no collectives inside a handler (Lightning#21406)
 
     @property

@@ -120,9 +120,10 @@ def preempt(run_dir: Path, sig: signal.Signals, *extra: str, env: dict[str, str]
     proc = start(run_dir, *SLOW, *extra, env=env)
     wait_until(lambda: logged_step(run_dir) >= random.randint(25, 45))
     proc.send_signal(sig)
-    finish(proc, REQUEUE_EXIT_CODE)
+    out = finish(proc, REQUEUE_EXIT_CODE)
     step = json.loads((run_dir / "preempted.json").read_text())["step"]
     assert (run_dir / "checkpoints" / str(step) / "COMPLETE").exists()
+    assert f"by {sig.name}: checkpoint saved at step {step}; relaunch with hydra.run.dir={run_dir}" in out
     return step
 
 
@@ -141,10 +142,11 @@ def test_sigkill_of_one_rank_restarts_the_group_and_loses_nothing(tmp_path: Path
     assert sample_stream(run_dir) == sample_stream(reference["fp32"])
 
 
-@pytest.mark.parametrize("sig", [signal.SIGUSR2, signal.SIGTERM], ids=["USR2", "TERM"])
+@pytest.mark.parametrize("sig", [signal.SIGUSR2, signal.SIGTERM, signal.SIGINT], ids=["USR2", "TERM", "INT"])
 def test_preemption_checkpoints_then_resume_auto_is_exact(tmp_path: Path, reference, sig) -> None:
     """Issue 4 test 2: the signal to the launcher reaches every rank; one checkpoint; requeue code;
-    a second launch with resume=auto continues with nothing redone; bitwise equal final weights."""
+    a second launch with resume=auto continues with nothing redone; bitwise equal final weights. SIGINT is
+    Ctrl-C: without it among the preemption signals, each rank raised KeyboardInterrupt and saved nothing."""
     run_dir = tmp_path / "preempted"
     step = preempt(run_dir, sig)
     assert max(m["step"] for m in read_metrics(run_dir)) == step

@@ -27,8 +27,9 @@ from launcher.compat import (FLIGHT_RECORDER_BUFFER_SIZE, FLIGHT_RECORDER_DUMP_F
                              torchrun_shutdown_args, torchrun_signal_args)
 from launcher.derived import NODE_CONFIG, node_view
 from launcher.launch.plan import Plan
-from launcher.preempt import PREEMPTED_FILE, REQUEUE_EXIT_CODE, preemption_signals, read_preempted
-from launcher.rundir import HANG_DIR, hang_summary
+from launcher.preempt import (PREEMPTED_FILE, REQUEUE_EXIT_CODE, preemption_signals, read_preempted, stop_line,
+                              write_preempted)
+from launcher.rundir import HANG_DIR, complete_steps, hang_summary
 from launcher.train.orphan import AGENT_PID
 
 COMM_TRACES_DIR = "comm_traces"  # NCCL flight recorder dumps, one file per rank, when a collective times out
@@ -128,6 +129,8 @@ def run_agent(config_path: Path, plan: Plan, launcher: DictConfig, rendezvous: l
             torchrun.run(torchrun.parse_args(torchrun_args(config_path, plan, launcher, rendezvous)))
     except SignalException as err:  # the agent relayed it and waited for the workers' checkpoint
         code = 128 + int(err.sigval)
+        if err.sigval in signals and read_preempted(run_dir) is None:  # they saved none: a requeue goes on all the same
+            write_preempted(run_dir, (complete_steps(run_dir) or [0])[-1], err.sigval, saved=False)
     except (RendezvousError, DistStoreError, DistNetworkError) as err:  # nobody serves the endpoint, nodes missing
         why = (str(err).strip().splitlines() or [type(err).__name__])[0]
         print(f"error: the rendezvous of {plan.nnodes} nodes at {rendezvous_endpoint(rendezvous)} failed: {why} "
@@ -150,7 +153,6 @@ def run_agent(config_path: Path, plan: Plan, launcher: DictConfig, rendezvous: l
         code = 0
     preempted = read_preempted(run_dir)
     if preempted is not None:
-        print(f"preempted: checkpoint saved at step {preempted['step']}; relaunch with hydra.run.dir={run_dir} to resume "
-              f"(exit code {REQUEUE_EXIT_CODE})", file=sys.stderr)
+        print(stop_line(preempted, run_dir), file=sys.stderr)
         return REQUEUE_EXIT_CODE
     return code

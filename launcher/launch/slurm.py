@@ -189,8 +189,8 @@ class NodeTask(submitit.helpers.Checkpointable):
                 if first_to_requeue(env.paths.folder, env.job_id, restart):
                     requeue(run_dir, env.job_id, cfg.launcher.max_requeues, "ran out of memory")
             # launcher.signal is Slurm's warning before the time limit: requeue ourselves. SIGTERM comes
-            # from Slurm's own requeue, a cancel, or the limit itself: checkpoint saved, Slurm decides.
-            elif env.global_rank == 0 and read_preempted(run_dir)["signal"] != signal.SIGTERM:
+            # from Slurm's own requeue, a cancel, or the limit itself, SIGINT from a person: Slurm decides.
+            elif env.global_rank == 0 and read_preempted(run_dir)["signal"] not in (signal.SIGTERM, signal.SIGINT):
                 requeue(run_dir, env.job_id, cfg.launcher.max_requeues, "preempted")
             # No result file: the requeued job, not this attempt, reports the outcome.
             raise SystemExit(REQUEUE_EXIT_CODE)

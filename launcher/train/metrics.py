@@ -9,12 +9,13 @@ Exercised by: `python -m launcher +exp=toy` (look at <run_dir>/metrics.jsonl and
 from __future__ import annotations
 
 import json
+import signal
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-from launcher.preempt import PREEMPTED_FILE
+from launcher.preempt import write_preempted
 from launcher.rundir import BEST_FILE, ended_summary
 from launcher.tracker import Resume, Trackers, open_trackers
 
@@ -125,9 +126,10 @@ class RunLog:
 
     def preempted(self, step: int, signum: int) -> None:
         if self.enabled:
-            (self.run_dir / PREEMPTED_FILE).write_text(json.dumps({"step": step, "signal": signum}) + "\n")
+            write_preempted(self.run_dir, step, signum)
             self._trackers.call("preempted", step)
-            self.info(f"preempted by signal {signum}: checkpoint saved at step {step}")
+            how = "stopped" if signum == signal.SIGINT else "preempted"  # SIGINT: Ctrl-C
+            self.info(f"{how} by signal {signum}: checkpoint saved at step {step}")
 
     def summary(self, record: dict[str, Any], ended_before: bool = False) -> None:
         """summary.json, the trackers' end and the table. `ended_before`: this start began after the run's final

@@ -1,0 +1,54 @@
+"""How a launch ends on a signal when the save it asks for does not come: the agent killed the workers first
+(launcher.shutdown_timeout_s), or a person pressed Ctrl-C twice. The launcher still exits with the requeue code
+and names the checkpoint a relaunch resumes from. Exercised with real launches of the toy job on 2 ranks."""
+from __future__ import annotations
+
+import json
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from launcher.compat import TORCHRUN_SHUTDOWN_TIMEOUT
+from launcher.preempt import REQUEUE_EXIT_CODE
+from test_resume import finish, logged_step, start, wait_until
+
+pytestmark = pytest.mark.slow
+# Steps of 6 s (2 micro-batches of 3 s), a checkpoint after each: a stop asked for early in step 2 cannot be
+# saved before the end of step 2, seconds later
+SLOW = ("data.sleep_s=3", "train.ckpt_every=1", "train.max_steps=3")
+
+
+@pytest.mark.skipif(not TORCHRUN_SHUTDOWN_TIMEOUT, reason="torchrun before 2.12 waits a fixed 30 s, not shutdown_timeout_s")
+def test_a_preemption_whose_checkpoint_never_came_still_exits_with_the_requeue_code(tmp_path: Path) -> None:
+    """A step of 6 s cannot end within launcher.shutdown_timeout_s=1: the agent kills the workers before
+    their save. The launcher exited 143 without a word, and a requeue script that
+    waits for 75 gave the job up; now the run resumes from its newest checkpoint."""
+    run_dir = tmp_path / "run"
+    proc = start(run_dir, *SLOW, "launcher.shutdown_timeout_s=1")
+    wait_until(lambda: logged_step(run_dir) >= 1)
+    proc.send_signal(signal.SIGTERM)
+    out = finish(proc, REQUEUE_EXIT_CODE)
+    assert (f"preempted by SIGTERM before the workers saved a checkpoint (they were starting, were stopped again, or "
+            f"took longer than launcher.shutdown_timeout_s); relaunch with hydra.run.dir={run_dir} to resume from "
+            f"step 1 (exit code 75)") in out
+    assert json.loads((run_dir / "preempted.json").read_text()) == {"step": 1, "signal": 15, "saved": False}
+    resumed = finish(start(run_dir, "data.sleep_s=0", "train.ckpt_every=1", "train.max_steps=3",
+                           "resume.allow_config_change=true"), 0)
+    assert "resumed from step 1" in resumed
+
+
+def test_ctrl_c_twice_stops_at_once_without_the_save(tmp_path: Path) -> None:
+    """The first Ctrl-C asks for a checkpoint at the end of the step; the second (the agent relays it as SIGTERM)
+    ends the workers at once. Without that, the launcher waited launcher.shutdown_timeout_s (120 s here)."""
+    run_dir = tmp_path / "run"
+    proc = start(run_dir, *SLOW)
+    wait_until(lambda: logged_step(run_dir) >= 1)
+    proc.send_signal(signal.SIGINT)
+    time.sleep(1)
+    proc.send_signal(signal.SIGINT)
+    began = time.monotonic()
+    out = finish(proc, REQUEUE_EXIT_CODE)
+    assert time.monotonic() - began < 4  # the rest of the step alone takes longer
+    assert "stopped by SIGINT before the workers saved a checkpoint" in out and "to resume from step 1" in out
