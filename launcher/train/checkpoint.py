@@ -157,7 +157,8 @@ def load_latest(run_dir: Path, model: torch.nn.Module, warn: Callable[[str], Non
     choice: list[Any] = [None]
     if dist.get_rank() == 0:
         try:
-            choice = [_resume_point(run_dir, warn)]
+            chosen = _resume_point(run_dir, warn)
+            choice = [chosen and int(chosen.name)]
         except Exception as error:  # every rank fails with it, rather than wait in the broadcast
             choice = [(str(error) or type(error).__name__).splitlines()[0]]
     dist.broadcast_object_list(choice, src=0)
@@ -165,7 +166,7 @@ def load_latest(run_dir: Path, model: torch.nn.Module, warn: Callable[[str], Non
         raise RuntimeError(choice[0])
     if choice[0] is None:
         return None
-    step_dir = choice[0]
+    step_dir = run_dir / "checkpoints" / str(choice[0])  # under this node's own path to the run dir
     load_model(model, str(step_dir / "model.safetensors"))
     return torch.load(step_dir / "train_state.pt", weights_only=True, map_location="cpu")
 

@@ -184,7 +184,9 @@ def choose(run: Run, max_size: int | None, from_checkpoint: int | None) -> None:
     """Before the first step: the size a restart or resume had, else the largest that fits on every rank."""
     share = share_of(run)
     bound = min(max_size or share, share)
-    record = read_record(run.run_dir)  # no rank writes it before every rank has read it (see below)
+    # Rank 0's reading, for all: another node may see an older copy of a file just replaced (NFS caches names),
+    # and ranks that disagreed here would enter different collectives. No rank writes it before this.
+    record = all_gather_objects(read_record(run.run_dir) if run.env.rank == 0 else None)[0]
     kept = {source: size for source, size in ((MICRO_BATCH_FILE, record and record["micro_batch_size"]),
                                               ("the checkpoint", from_checkpoint)) if size}
     if kept and min(kept.values()) <= bound and share % min(kept.values()) == 0:  # alike on every rank
