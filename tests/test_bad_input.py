@@ -29,6 +29,7 @@ def make_run_dir_with_corrupt_config(tmp_path: Path) -> str:
 
 CASES = {  # name: (overrides, or a function of tmp_path giving them; what the line must say)
     "unknown key": (["+exp=toy", "train.micro_batchsize=4"], "did you mean train.micro_batch_size?"),
+    "unknown key of an untyped group": (["+exp=bert", "model.pretrain=x"], "did you mean model.pretrained?"),
     "unknown group option": (["+exp=toy", "precision=fp8"], "Available options in 'precision': bf16, fp16, fp32"),
     "unknown exp": (["+exp=nope"], "Available options in 'exp': bench, bert, bert_mlm, toy"),
     "unknown logger": (["+exp=toy", "logger=[mlfow]"], "logger=mlfow is not an option of logger/: mlflow, tensorboard, wandb"),

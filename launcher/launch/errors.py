@@ -63,9 +63,32 @@ def condense(text: str) -> str:
         close = difflib.get_close_matches(unknown.group(1), valid, n=1)
         prefix = full_key.rsplit(".", 1)[0] + "." if full_key and "." in full_key else ""
         message += f"; did you mean {prefix}{close[0]}?" if close else f"; valid keys: {', '.join(valid)}"
+    elif re.search(r"Key '[^']+' is not in struct", message) and full_key and "." in full_key:
+        message += _untyped_hint(full_key)
     elif full_key and full_key not in message:
         message = f"{full_key}: {message}"
     return message or "Hydra could not compose the config"
+
+
+def _untyped_hint(full_key: str) -> str:
+    """A key unknown to an untyped group (model.hiden): the group's keys in the config composed without the
+    override that failed, the closest first. Nothing when that config does not compose either."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from omegaconf import DictConfig, OmegaConf
+
+    group, _, name = full_key.rpartition(".")
+    overrides = [arg for arg in sys.argv[1:] if "=" in arg and not arg.startswith(("-", "hydra."))
+                 and arg.split("=", 1)[0].lstrip("+~") != full_key]
+    GlobalHydra.instance().clear()  # what the failed compose left
+    try:
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+            node = OmegaConf.select(compose(config_name="config", overrides=overrides), group)
+    except Exception:  # a sweep's a,b values, a --config-dir of the user's: say no more than Hydra did
+        return ""
+    keys = [str(key) for key in node] if isinstance(node, DictConfig) else []
+    close = difflib.get_close_matches(name, keys, n=1)
+    return f"; did you mean {group}.{close[0]}?" if close else (f"; {group}.* has {', '.join(keys)}" if keys else "")
 
 
 def _group_hint(message: str) -> str:
