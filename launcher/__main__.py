@@ -5,10 +5,13 @@ submitted here afterwards, so a sweep becomes one job array.
 """
 import sys
 
-from launcher.launch.cli import main
-from launcher.launch.errors import hydra_errors_in_one_line
-from launcher.launch.slurm import submit_queued
-from launcher.launch.tracker_start import end_sweeps
+from launcher.preempt import keep_early_signals
+
+keep_early_signals()  # first, before the imports of seconds below
+from launcher.launch.cli import main  # noqa: E402
+from launcher.launch.errors import hydra_errors_in_one_line  # noqa: E402
+from launcher.launch.slurm import submit_queued  # noqa: E402
+from launcher.launch.tracker_start import end_sweeps  # noqa: E402
 
 failed = True
 try:

@@ -93,9 +93,12 @@ def _raise_signal_exception(signum: int, frame: FrameType | None) -> None:
 
 @contextmanager
 def relay_signals(signals: list[signal.Signals]) -> Iterator[None]:
-    """Around torchrun's agent: relay the `signals` its torchrun cannot (torch < 2.10) to the workers."""
-    extra = [] if TORCHRUN_SIGNALS_TO_HANDLE else sorted(set(signals) - TORCHRUN_DEFAULT_SIGNALS)
-    previous = {sig: signal.signal(sig, _raise_signal_exception) for sig in extra}
+    """Around torchrun's agent: relay the `signals` its torchrun cannot (torch < 2.10) to the workers. Afterwards
+    every one of `signals` has its handler of before: torchrun's own outlive its agent, and would raise wherever
+    the process is then (between the points of a local sweep)."""
+    previous = {sig: signal.getsignal(sig) for sig in signals}
+    for sig in [] if TORCHRUN_SIGNALS_TO_HANDLE else sorted(set(signals) - TORCHRUN_DEFAULT_SIGNALS):
+        signal.signal(sig, _raise_signal_exception)
     try:
         yield
     finally:

@@ -31,10 +31,12 @@ def preemption_signals(name: str) -> list[signal.Signals]:
     return sorted({signal.SIGTERM, signal.SIGINT, signal_named(name)})
 
 
-def write_preempted(run_dir: Path, step: int, signum: int, saved: bool = True) -> None:
+def write_preempted(run_dir: Path, step: int, signum: int, saved: bool = True, started: bool = True) -> None:
     """preempted.json: the launch ended on a preemption signal; `step` is the checkpoint it resumes from (saved:
-    written for this stop; else the newest before it, 0 for none: the workers ended before they saved)."""
-    text = json.dumps({"step": step, "signal": signum, "saved": saved}) + "\n"
+    written for this stop; else the newest before it, 0 for none: the workers ended before they saved, or never
+    started)."""
+    record = {"step": step, "signal": signum, "saved": saved, **({} if saved else {"started": started})}
+    text = json.dumps(record) + "\n"
     try:  # an agent's record of a stop without a save never replaces rank 0's of its save (another node's agent
         # may see its workers end before rank 0 writes), while rank 0's replaces any
         with open(run_dir / PREEMPTED_FILE, "w" if saved else "x") as f:
@@ -58,10 +60,39 @@ def stop_line(record: dict[str, int], run_dir: Path) -> str:
     relaunch = f"relaunch with hydra.run.dir={run_dir} to"
     if record.get("saved", True):
         return f"{how} by {name}: checkpoint saved at step {step}; {relaunch} resume (exit code {REQUEUE_EXIT_CODE})"
-    # the signal came while the workers started, or their save took longer than launcher.shutdown_timeout_s
-    return (f"{how} by {name} before the workers saved a checkpoint (they were starting, were stopped again, or "
-            f"took longer than launcher.shutdown_timeout_s); {relaunch} {f'resume from step {step}' if step else 'start over'} "
+    when = ("before the workers started" if not record.get("started", True) else
+            # the signal came while they started, a second one ended them, or their save took longer
+            "before the workers saved a checkpoint (they were starting, were stopped again, or took longer than "
+            "launcher.shutdown_timeout_s)")
+    return (f"{how} by {name} {when}; {relaunch} {f'resume from step {step}' if step else 'start over'} "
             f"(exit code {REQUEUE_EXIT_CODE})")
+
+
+# The launcher's process, from its start until its workers start: a scheduler's stop is kept, not fatal
+EARLY_SIGNALS = (signal.SIGTERM, signal.SIGUSR2)
+_early = {"signal": 0}
+
+
+def keep_early_signals() -> None:
+    """SIGTERM or USR2 (launcher.signal's default) while no agent runs, in compose, the checks or between the
+    points of a local sweep, ended the process with no word (exit 143). Kept instead, it ends the next start of
+    workers before it begins, as a preemption: exit 75, and the requeue goes on. (Ctrl-C there stays Python's.)"""
+    for sig in EARLY_SIGNALS:
+        signal.signal(sig, lambda signum, frame: _early.update(signal=signum))
+
+
+def early_signal() -> int:
+    """The signal kept by keep_early_signals (0: none)."""
+    return _early["signal"]
+
+
+def release_early_signals() -> None:
+    """A launch that starts no agent here (launcher=slurm submits, and may wait): the signals act as by default
+    again, and one kept meanwhile acts now."""
+    for sig in EARLY_SIGNALS:
+        signal.signal(sig, signal.SIG_DFL)
+    if _early["signal"]:
+        os.kill(os.getpid(), _early["signal"])
 
 
 class StopFlag:

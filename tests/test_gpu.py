@@ -17,7 +17,7 @@ from omegaconf import OmegaConf
 
 from conftest import read_metrics, run_cli
 from test_distributed_math import assert_params_close, probe, train_cli
-from test_resume import DROPOUT, SLOW, bitwise_equal, finish, sample_stream, start, wait_until, weights, worker_pid
+from test_resume import DROPOUT, FP16, SLOW, bitwise_equal, finish, sample_stream, start, wait_until, weights, worker_pid
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: torch sees none")]
@@ -187,13 +187,16 @@ def test_loader_processes_hand_over_pinned_windows(tmp_path: Path) -> None:
     run_ok(tmp_path, "+exp=toy", *ONE_GPU, "train.num_workers=2", "train.max_steps=20")
 
 
-def test_kill_and_resume_on_cuda_is_bitwise_exact(tmp_path: Path) -> None:
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
+def test_kill_and_resume_on_cuda_is_bitwise_exact(tmp_path: Path, precision: str) -> None:
     """SIGKILL the only worker after a checkpoint: torchrun restarts it, it resumes (CUDA RNG of its own
-    device included: dropout draws from it in every forward) and ends bitwise equal to an uninterrupted run."""
+    device included: dropout draws from it in every forward; fused AdamW's state and step counts on the GPU;
+    fp16's loss scale) and ends bitwise equal to an uninterrupted run."""
+    mixed = {"fp32": (), "bf16": ("precision=bf16",), "fp16": FP16}[precision]
     reference = tmp_path / "reference"
-    finish(start(reference, *ONE_GPU, *DROPOUT), 0)
+    finish(start(reference, *ONE_GPU, *DROPOUT, *mixed), 0)
     killed = tmp_path / "killed"
-    proc = start(killed, *ONE_GPU, *DROPOUT, *SLOW, "launcher.max_restarts=1")
+    proc = start(killed, *ONE_GPU, *DROPOUT, *mixed, *SLOW, "launcher.max_restarts=1")
     wait_until(lambda: (killed / "checkpoints" / "40" / "COMPLETE").exists())
     time.sleep(0.1)
     os.kill(worker_pid(proc.pid, rank=0), signal.SIGKILL)

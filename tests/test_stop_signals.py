@@ -1,15 +1,19 @@
 """How a launch ends on a signal when the save it asks for does not come: the agent killed the workers first
-(launcher.shutdown_timeout_s), or a person pressed Ctrl-C twice. The launcher still exits with the requeue code
-and names the checkpoint a relaunch resumes from. Exercised with real launches of the toy job on 2 ranks."""
+(launcher.shutdown_timeout_s), a person pressed Ctrl-C twice, or the signal came before the workers started.
+The launcher still exits with the requeue code and names the checkpoint a relaunch resumes from. Exercised
+with real launches of the toy job on 2 ranks."""
 from __future__ import annotations
 
 import json
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
 
+from conftest import REPO, subprocess_env
 from launcher.compat import TORCHRUN_SHUTDOWN_TIMEOUT
 from launcher.preempt import REQUEUE_EXIT_CODE
 from test_resume import finish, logged_step, start, wait_until
@@ -33,7 +37,8 @@ def test_a_preemption_whose_checkpoint_never_came_still_exits_with_the_requeue_c
     assert (f"preempted by SIGTERM before the workers saved a checkpoint (they were starting, were stopped again, or "
             f"took longer than launcher.shutdown_timeout_s); relaunch with hydra.run.dir={run_dir} to resume from "
             f"step 1 (exit code 75)") in out
-    assert json.loads((run_dir / "preempted.json").read_text()) == {"step": 1, "signal": 15, "saved": False}
+    assert json.loads((run_dir / "preempted.json").read_text()) == {"step": 1, "signal": 15, "saved": False,
+                                                                    "started": True}
     resumed = finish(start(run_dir, "data.sleep_s=0", "train.ckpt_every=1", "train.max_steps=3",
                            "resume.allow_config_change=true"), 0)
     assert "resumed from step 1" in resumed
@@ -52,3 +57,40 @@ def test_ctrl_c_twice_stops_at_once_without_the_save(tmp_path: Path) -> None:
     out = finish(proc, REQUEUE_EXIT_CODE)
     assert time.monotonic() - began < 4  # the rest of the step alone takes longer
     assert "stopped by SIGINT before the workers saved a checkpoint" in out and "to resume from step 1" in out
+
+
+# sitecustomize of the launcher's process: SIGTERM as soon as the launcher keeps it, in the seconds of its imports
+TERM_ONCE_KEPT = """import os, signal, threading, time
+if os.environ.pop("TERM_ONCE_KEPT", None):  # this process only, not the workers it would start
+    def term():
+        while signal.getsignal(signal.SIGTERM) in (signal.SIG_DFL, None):
+            time.sleep(0.001)
+        os.kill(os.getpid(), signal.SIGTERM)
+    threading.Thread(target=term, daemon=True).start()
+"""
+
+
+def test_a_preemption_before_the_workers_start_exits_with_the_requeue_code(tmp_path: Path) -> None:
+    """A scheduler's SIGTERM while the launcher imports, composes and checks ended it with 143 and no word; it is
+    kept, the workers never start, and the exit code asks for the requeue."""
+    shim = tmp_path / "shim"
+    shim.mkdir()
+    (shim / "sitecustomize.py").write_text(TERM_ONCE_KEPT)
+    run_dir = tmp_path / "run"
+    proc = start(run_dir, env=subprocess_env(TERM_ONCE_KEPT="1", PYTHONPATH=f"{shim}:{REPO}"))
+    out = finish(proc, REQUEUE_EXIT_CODE)
+    assert (f"preempted by SIGTERM before the workers started; relaunch with hydra.run.dir={run_dir} to start over "
+            f"(exit code 75)") in out
+    assert json.loads((run_dir / "preempted.json").read_text()) == {"step": 0, "signal": 15, "saved": False,
+                                                                    "started": False}
+    assert not (run_dir / "metrics.jsonl").exists()
+
+
+def test_a_launch_that_starts_no_workers_here_lets_a_kept_signal_act() -> None:
+    """launcher=slurm submits (and with launcher.wait, waits): the kept SIGTERM ends the process then, as it
+    would have at once; `kill` must still stop a waiting launcher."""
+    code = ("import os, signal; from launcher.preempt import early_signal, keep_early_signals, release_early_signals\n"
+            "keep_early_signals(); os.kill(os.getpid(), signal.SIGTERM)\n"
+            "print('kept', early_signal(), flush=True); release_early_signals(); print('not ended')")
+    out = subprocess.run([sys.executable, "-c", code], env=subprocess_env(), capture_output=True, text=True, timeout=60)
+    assert out.returncode == -signal.SIGTERM and out.stdout == "kept 15\n", (out.returncode, out.stdout, out.stderr)

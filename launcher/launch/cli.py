@@ -27,7 +27,7 @@ from launcher.launch.resume import check_resume, finished
 from launcher.launch.run_lock import LOCK_FILE, launch_lock
 from launcher.launch.slurm import active_job, dependency, queue
 from launcher.launch.tracker_start import hydra_point, mark_failed, start_trackers
-from launcher.preempt import REQUEUE_EXIT_CODE
+from launcher.preempt import REQUEUE_EXIT_CODE, release_early_signals
 from launcher.redact import redact_override
 from launcher.rundir import LAUNCH_FILE, pinned_pretrained
 from launcher.schema import register
@@ -77,6 +77,8 @@ def main(cfg: DictConfig) -> None:
 
 def launch(cfg: DictConfig, run_dir: Path) -> None:
     """Check, resolve and write the run's config, then run its workers here or queue its Slurm job."""
+    if cfg.launcher.name == "slurm":  # no agent will start here to end as preempted
+        release_early_signals()
     try:
         plan = make_plan(cfg)
         if plan.nnodes > 1 and cfg.launcher.name == "local":

@@ -27,8 +27,8 @@ from launcher.compat import (FLIGHT_RECORDER_BUFFER_SIZE, FLIGHT_RECORDER_DUMP_F
                              torchrun_shutdown_args, torchrun_signal_args)
 from launcher.derived import NODE_CONFIG, node_view
 from launcher.launch.plan import Plan
-from launcher.preempt import (PREEMPTED_FILE, REQUEUE_EXIT_CODE, preemption_signals, read_preempted, stop_line,
-                              write_preempted)
+from launcher.preempt import (PREEMPTED_FILE, REQUEUE_EXIT_CODE, early_signal, preemption_signals, read_preempted,
+                              stop_line, write_preempted)
 from launcher.rundir import HANG_DIR, complete_steps, hang_summary
 from launcher.train.orphan import AGENT_PID
 
@@ -125,12 +125,15 @@ def run_agent(config_path: Path, plan: Plan, launcher: DictConfig, rendezvous: l
     for note in fallback_notes(signals, launcher.shutdown_timeout_s):
         print(note, file=sys.stderr, flush=True)
     try:
+        started = early_signal() not in signals  # one kept since the launcher started: no worker starts
+        if not started:
+            raise SignalException(f"got signal {early_signal()} before the workers started", sigval=early_signal())
         with relay_signals(signals), environment(env):
             torchrun.run(torchrun.parse_args(torchrun_args(config_path, plan, launcher, rendezvous)))
     except SignalException as err:  # the agent relayed it and waited for the workers' checkpoint
         code = 128 + int(err.sigval)
         if err.sigval in signals and read_preempted(run_dir) is None:  # they saved none: a requeue goes on all the same
-            write_preempted(run_dir, (complete_steps(run_dir) or [0])[-1], err.sigval, saved=False)
+            write_preempted(run_dir, (complete_steps(run_dir) or [0])[-1], err.sigval, saved=False, started=started)
     except (RendezvousError, DistStoreError, DistNetworkError) as err:  # nobody serves the endpoint, nodes missing
         why = (str(err).strip().splitlines() or [type(err).__name__])[0]
         print(f"error: the rendezvous of {plan.nnodes} nodes at {rendezvous_endpoint(rendezvous)} failed: {why} "
