@@ -93,11 +93,13 @@ def _raise_signal_exception(signum: int, frame: FrameType | None) -> None:
 
 @contextmanager
 def relay_signals(signals: list[signal.Signals]) -> Iterator[None]:
-    """Around torchrun's agent: relay the `signals` its torchrun cannot (torch < 2.10) to the workers. Afterwards
-    every one of `signals` has its handler of before: torchrun's own outlive its agent, and would raise wherever
-    the process is then (between the points of a local sweep)."""
-    previous = {sig: signal.getsignal(sig) for sig in signals}
-    for sig in [] if TORCHRUN_SIGNALS_TO_HANDLE else sorted(set(signals) - TORCHRUN_DEFAULT_SIGNALS):
+    """Around torchrun's agent: each of `signals` raises SignalException from the start, as torchrun's handlers
+    do once its workers run (the agent installs them only then: a SIGTERM in the rendezvous was the caller's
+    to keep or to die of). The agent relays it to the workers; before torch 2.10 its own handlers cover only
+    TORCHRUN_DEFAULT_SIGNALS, and this one the rest. Afterwards every handler is as it was before: torchrun's
+    outlive its agent, and would raise wherever the process is then (between the points of a local sweep)."""
+    previous = {sig: signal.getsignal(sig) for sig in {*signals, *TORCHRUN_DEFAULT_SIGNALS}}
+    for sig in signals:
         signal.signal(sig, _raise_signal_exception)
     try:
         yield

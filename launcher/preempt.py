@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import time
 from pathlib import Path
 from types import FrameType
 
@@ -16,6 +17,7 @@ REQUEUE_EXIT_CODE = 75  # EX_TEMPFAIL: "preempted, checkpoint saved, requeue me"
 # The other exit code that asks for a new start (launcher/train/micro_batch.py): train.micro_batch_size=auto ran
 # out of memory where a step cannot be redone, and the next start halves the micro-batch (Slurm: a requeue)
 OUT_OF_MEMORY_EXIT_CODE = 76
+REPEAT_S = 1.0  # a second SIGINT (Ctrl-C) later than this after the first stops the workers without their save
 PREEMPTED_FILE = "preempted.json"  # written by rank 0 after the preemption checkpoint
 
 
@@ -61,9 +63,9 @@ def stop_line(record: dict[str, int], run_dir: Path) -> str:
     if record.get("saved", True):
         return f"{how} by {name}: checkpoint saved at step {step}; {relaunch} resume (exit code {REQUEUE_EXIT_CODE})"
     when = ("before the workers started" if not record.get("started", True) else
-            # the signal came while they started, a second one ended them, or their save took longer
-            "before the workers saved a checkpoint (they were starting, were stopped again, or took longer than "
-            "launcher.shutdown_timeout_s)")
+            # the signal came while they started, a second one ended them, or their save failed or took longer
+            "before the workers saved a checkpoint (they were starting, were stopped again, failed, or took longer "
+            "than launcher.shutdown_timeout_s; their log above says which)")
     return (f"{how} by {name} {when}; {relaunch} {f'resume from step {step}' if step else 'start over'} "
             f"(exit code {REQUEUE_EXIT_CODE})")
 
@@ -99,14 +101,18 @@ class StopFlag:
     """Set by the signal handler; read once per step, where all ranks agree on it."""
 
     def __init__(self, signals: list[signal.Signals]):
-        self.signum, self.signals = 0, tuple(signals)
+        self.signum, self.signals, self.since = 0, tuple(signals), 0.0
         for sig in signals:
             signal.signal(sig, self._handler)
 
     def _handler(self, signum: int, frame: FrameType | None) -> None:
-        if self.signum == signal.SIGINT:  # Ctrl-C, then any signal (the agent's on a second Ctrl-C): end now,
-            os._exit(128 + signal.SIGINT)  # without the save. A scheduler's stop never starts with SIGINT.
-        self.signum = signum  # nothing else: no I/O and no collectives inside a handler (Lightning#21406)
+        # Ctrl-C, then a second signal (the agent relays a second Ctrl-C as SIGTERM): end now, without the save.
+        # Not within a second: Slurm's SIGINT (scancel --signal=INT, an srun's Ctrl-C) reaches every process of
+        # the step, so a worker gets it twice, from Slurm and from the agent's relay, a moment apart.
+        if self.signum == signal.SIGINT and time.monotonic() - self.since > REPEAT_S:
+            os._exit(128 + signal.SIGINT)
+        if not self.signum:
+            self.signum, self.since = signum, time.monotonic()  # no I/O, no collectives in a handler (Lightning#21406)
 
     @property
     def requested(self) -> bool:

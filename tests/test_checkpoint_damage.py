@@ -32,8 +32,8 @@ def truncate(run_dir: Path, step: int) -> None:
 
 
 def test_unusable_newer_checkpoints_are_moved_aside_and_cost_no_new_one(tmp_path: Path) -> None:
-    """Steps 20 and 30 truncated, a killed save's temp dir: the resume from 10 moves 20 and 30 aside and
-    deletes the temp dir. Left in place, 20 and 30 would count as the newest two, and the retention of the
+    """Steps 20 and 30 truncated, a killed save's temp dir, a retention's rest: the resume from 10 moves 20 and
+    30 aside and deletes the others. Left in place, 20 and 30 would count as the newest two, and the retention of the
     save at 16 (train.ckpt_every=8) would delete 10 and 16 itself."""
     run_dir = tmp_path / "run"
     first = launch(run_dir, "train.max_steps=30", "train.ckpt_every=10", "train.keep_checkpoints=3")
@@ -43,6 +43,8 @@ def test_unusable_newer_checkpoints_are_moved_aside_and_cost_no_new_one(tmp_path
     truncate(run_dir, 30)
     (run_dir / "checkpoints" / ".tmp-25").mkdir()
     (run_dir / "checkpoints" / ".tmp-25" / "model.safetensors").write_bytes(b"half")
+    (run_dir / "checkpoints" / "5").mkdir()  # what a retention could not delete: its marker goes first
+    (run_dir / "checkpoints" / "5" / "model.safetensors").write_bytes(b"old")
     second = launch(run_dir, "train.max_steps=40", "train.ckpt_every=8", "resume.allow_config_change=true")
     assert second.returncode == 0, second.stderr[-3000:]
     assert "resumed from step 10" in second.stdout

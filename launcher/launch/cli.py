@@ -27,7 +27,7 @@ from launcher.launch.resume import check_resume, finished
 from launcher.launch.run_lock import LOCK_FILE, launch_lock
 from launcher.launch.slurm import active_job, dependency, queue
 from launcher.launch.tracker_start import hydra_point, mark_failed, start_trackers
-from launcher.preempt import REQUEUE_EXIT_CODE, release_early_signals
+from launcher.preempt import REQUEUE_EXIT_CODE, read_preempted, release_early_signals
 from launcher.redact import redact_override
 from launcher.rundir import LAUNCH_FILE, pinned_pretrained
 from launcher.schema import register
@@ -117,7 +117,10 @@ def launch(cfg: DictConfig, run_dir: Path) -> None:
         print(f"dry run: would run python -m torch.distributed.run {' '.join(args)}", flush=True)
         return
     code = run_local(config_path, plan, cfg.launcher, config)
-    if code and code != REQUEUE_EXIT_CODE:
+    stop = read_preempted(run_dir) if code == REQUEUE_EXIT_CODE else None
+    if stop and not stop.get("saved", True):  # no rank 0 told the trackers of this stop (a save does)
+        mark_failed(run_dir, config, 128 + stop["signal"])
+    elif code and code != REQUEUE_EXIT_CODE:
         mark_failed(run_dir, config, code)
     if code:
         sys.exit(code)

@@ -110,8 +110,9 @@ def _write(run_dir: Path, step: int, model: torch.nn.Module, train_state: dict[s
     os.replace(tmp, final)  # atomic: a reader sees no dir or a complete one
     _fsync(root)
     for old in complete_steps(run_dir)[:-keep]:
-        if old not in (also_keep, step):
-            shutil.rmtree(root / str(old))
+        if old not in (also_keep, step):  # marker first: a dir half deleted (NFS keeps files in use) is none
+            (root / str(old) / MARKER).unlink()  # (a resume deletes what is left); the new save stands
+            shutil.rmtree(root / str(old), ignore_errors=True)
 
 
 def _verify(step_dir: Path) -> None:
@@ -173,12 +174,14 @@ def load_latest(run_dir: Path, model: torch.nn.Module, warn: Callable[[str], Non
 
 def _resume_point(run_dir: Path, warn: Callable[[str], None]) -> Path | None:
     """Rank 0's part of load_latest. What no resume reads goes: the temp dirs of saves that were killed (each
-    as big as a checkpoint), and the unusable checkpoints newer than the one chosen, moved aside to
+    as big as a checkpoint), what the retention could not delete, and the unusable checkpoints newer than the
+    one chosen, moved aside to
     checkpoints/.unusable-<step>: the retention of later saves counts by step, so it would keep them as the
     newest and delete the new checkpoints. A run none of whose checkpoints reads back does not start over."""
     root = run_dir / "checkpoints"
-    for tmp in root.glob(".tmp-*"):
-        shutil.rmtree(tmp)
+    unmarked = [d for d in root.glob("*") if d.name.isdigit() and not (d / MARKER).exists()]  # retention's rest
+    for leftover in [*root.glob(".tmp-*"), *unmarked]:
+        shutil.rmtree(leftover, ignore_errors=True)  # (what a file system keeps, it keeps: no reason to stop)
     chosen = _newest_usable(run_dir, warn)
     unusable = [step for step in complete_steps(run_dir) if chosen is None or step > int(chosen.name)]
     for step in unusable:
