@@ -111,7 +111,7 @@ def _write(run_dir: Path, step: int, model: torch.nn.Module, train_state: dict[s
     _fsync(root)
     for old in complete_steps(run_dir)[:-keep]:
         if old not in (also_keep, step):  # marker first: a dir half deleted (NFS keeps files in use) is none
-            (root / str(old) / MARKER).unlink()  # (a resume deletes what is left); the new save stands
+            (root / str(old) / MARKER).unlink(missing_ok=True)  # (a resume deletes what is left): the save stands
             shutil.rmtree(root / str(old), ignore_errors=True)
 
 
@@ -175,9 +175,9 @@ def load_latest(run_dir: Path, model: torch.nn.Module, warn: Callable[[str], Non
 def _resume_point(run_dir: Path, warn: Callable[[str], None]) -> Path | None:
     """Rank 0's part of load_latest. What no resume reads goes: the temp dirs of saves that were killed (each
     as big as a checkpoint), what the retention could not delete, and the unusable checkpoints newer than the
-    one chosen, moved aside to
-    checkpoints/.unusable-<step>: the retention of later saves counts by step, so it would keep them as the
-    newest and delete the new checkpoints. A run none of whose checkpoints reads back does not start over."""
+    one chosen, moved aside to checkpoints/.unusable-<step>: the retention of later saves counts by step, so
+    it would keep them as the newest and delete the new checkpoints. A run none of whose checkpoints reads
+    back does not start over."""
     root = run_dir / "checkpoints"
     unmarked = [d for d in root.glob("*") if d.name.isdigit() and not (d / MARKER).exists()]  # retention's rest
     for leftover in [*root.glob(".tmp-*"), *unmarked]:

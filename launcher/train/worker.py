@@ -139,7 +139,7 @@ def restore(run: Run, state: dict[str, Any] | None, seed: int, allow_config_chan
     saved = state["optimizer"]
     settings = run.optimizer.state_dict()["param_groups"]
     run.optimizer.load_state_dict({**saved, "param_groups": [{**new, "params": old["params"]} for new, old
-                                                              in zip(settings, saved["param_groups"], strict=True)]})
+                                                              in zip(settings, saved["param_groups"])]})
     resume_schedule(run.scheduler, state["scheduler"])
     if state["scaler"] and run.scaler.is_enabled():
         run.scaler.load_state_dict(state["scaler"])
