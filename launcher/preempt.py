@@ -70,33 +70,6 @@ def stop_line(record: dict[str, int], run_dir: Path) -> str:
             f"(exit code {REQUEUE_EXIT_CODE})")
 
 
-# The launcher's process, from its start until its workers start: a scheduler's stop is kept, not fatal
-EARLY_SIGNALS = (signal.SIGTERM, signal.SIGUSR2)
-_early = {"signal": 0}
-
-
-def keep_early_signals() -> None:
-    """SIGTERM or USR2 (launcher.signal's default) while no agent runs, in compose, the checks or between the
-    points of a local sweep, ended the process with no word (exit 143). Kept instead, it ends the next start of
-    workers before it begins, as a preemption: exit 75, and the requeue goes on. (Ctrl-C there stays Python's.)"""
-    for sig in EARLY_SIGNALS:
-        signal.signal(sig, lambda signum, frame: _early.update(signal=signum))
-
-
-def early_signal() -> int:
-    """The signal kept by keep_early_signals (0: none)."""
-    return _early["signal"]
-
-
-def release_early_signals() -> None:
-    """A launch that starts no agent here (launcher=slurm submits, and may wait): the signals act as by default
-    again, and one kept meanwhile acts now."""
-    for sig in EARLY_SIGNALS:
-        signal.signal(sig, signal.SIG_DFL)
-    if _early["signal"]:
-        os.kill(os.getpid(), _early["signal"])
-
-
 class StopFlag:
     """Set by the signal handler; read once per step, where all ranks agree on it."""
 
@@ -117,6 +90,32 @@ class StopFlag:
     @property
     def requested(self) -> bool:
         return self.signum != 0
+
+
+# The launcher's process, from its start until its workers start: a scheduler's stop is kept, not fatal
+EARLY_SIGNALS = (signal.SIGTERM, signal.SIGUSR2)
+_early: list[StopFlag] = []  # the launcher process's one flag, once keep_early_signals has run
+
+
+def keep_early_signals() -> None:
+    """SIGTERM or USR2 (launcher.signal's default) while no agent runs, in compose, the checks or between the
+    points of a local sweep, ended the process with no word (exit 143). Kept instead, it ends the next start of
+    workers before it begins, as a preemption: exit 75, and the requeue goes on. (Ctrl-C there stays Python's.)"""
+    _early.append(StopFlag(list(EARLY_SIGNALS)))
+
+
+def early_signal() -> int:
+    """The signal kept by keep_early_signals (0: none)."""
+    return _early[0].signum if _early else 0
+
+
+def release_early_signals() -> None:
+    """A launch that starts no agent here (launcher=slurm submits, and may wait): the signals act as by default
+    again, and one kept meanwhile acts now."""
+    for sig in EARLY_SIGNALS:
+        signal.signal(sig, signal.SIG_DFL)
+    if early_signal():
+        os.kill(os.getpid(), early_signal())
 
 
 def ignore_in_data_workers(worker_id: int, signals: tuple[signal.Signals, ...] = ()) -> None:

@@ -91,7 +91,7 @@ from launcher.train import checkpoint, dist
 env = dist.init("cpu", "gloo", 60)
 run_dir = Path(sys.argv[1])
 try:
-    checkpoint.save(run_dir, 5, torch.nn.Linear(2, 2), {}, env.rank == 0, 2, env.device)
+    checkpoint.save(run_dir, 5, torch.nn.Linear(2, 2), {}, 2, env.device)
     outcome = "saved"
 except Exception as error:
     outcome = f"{type(error).__name__}: {error}"

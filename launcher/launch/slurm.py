@@ -179,8 +179,8 @@ class NodeTask(submitit.helpers.Checkpointable):
             rendezvous = c10d_rendezvous(f"{host}:{rendezvous_port(env.job_id, restart)}", f"{env.job_id}-{restart}")
             code = run_agent(config_path, Plan(**cfg.plan), cfg.launcher, rendezvous)
         if code in (REQUEUE_EXIT_CODE, OUT_OF_MEMORY_EXIT_CODE):
-            # torchrun's handler outlives its agent and would turn the SIGTERM of Slurm's requeue into an
-            # exception, i.e. a failed result; with the default action the task just ends and is requeued.
+            # After the agent, SIGTERM has submitit's handler again, which ignores it: the SIGTERM of Slurm's
+            # requeue would wait for the SIGKILL. With the default action the task just ends and is requeued.
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
             if code == OUT_OF_MEMORY_EXIT_CODE:
                 # train.micro_batch_size=auto ran out where a step cannot be redone, and micro_batch.json

@@ -19,12 +19,11 @@ from typing import Any, Callable
 
 import numpy as np
 import torch
-import torch.distributed as dist
 from safetensors.torch import load_model, save_model
 
 from launcher.rundir import (MARKER, PRETRAINED_FILE, PRETRAINED_KEYS, best_record, complete_steps, is_run_dir,
                              pinned_checkpoint, pinned_pretrained, write_atomically)
-from launcher.train.dist import all_gather_objects
+from launcher.train.dist import all_gather_objects, on_rank_0
 
 
 def rng_state(device: torch.device) -> dict[str, Any]:
@@ -67,8 +66,8 @@ def _fsync(path: Path) -> None:
         os.close(fd)
 
 
-def save(run_dir: Path, step: int, model: torch.nn.Module, train_state: dict[str, Any], is_main: bool,
-         keep: int, device: torch.device, model_files: Callable[[Path], None] | None = None,
+def save(run_dir: Path, step: int, model: torch.nn.Module, train_state: dict[str, Any], keep: int,
+         device: torch.device, model_files: Callable[[Path], None] | None = None,
          also_keep: int | None = None) -> Path:
     """Every rank calls this (it gathers every rank's RNG state); rank 0 writes; all wait for the files.
     The newest `keep` checkpoints stay, and the one of step `also_keep` (train.best_metric's best).
@@ -76,17 +75,11 @@ def save(run_dir: Path, step: int, model: torch.nn.Module, train_state: dict[str
     tokenizer, which make the checkpoint a save_pretrained dir)."""
     rng_states = all_gather_objects(rng_state(device))
     final = run_dir / "checkpoints" / str(step)
-    outcome: list[str | None] = [None]
-    failure = None
-    if is_main:
-        try:
-            _write(run_dir, step, model, {**train_state, "rng": rng_states}, keep, model_files, also_keep)
-        except Exception as error:  # a full disk, say: every rank fails with it, rather than wait in a collective
-            failure = error
-            outcome = [f"checkpoint of step {step} in {final.parent} failed: {type(error).__name__}: {error}"]
-    dist.broadcast_object_list(outcome, src=0)  # also the wait for the files: no rank reads them before
-    if outcome[0]:
-        raise RuntimeError(outcome[0].splitlines()[0]) from failure
+    # also the wait for the files: no rank reads them before; a failure (a full disk) is every rank's
+    state = {**train_state, "rng": rng_states}
+    on_rank_0(lambda: _write(run_dir, step, model, state, keep, model_files, also_keep),
+              describe=lambda error: f"checkpoint of step {step} in {final.parent} failed: {type(error).__name__}: "
+                                     f"{error}")
     return final
 
 
@@ -155,24 +148,15 @@ def load_latest(run_dir: Path, model: torch.nn.Module, warn: Callable[[str], Non
     Weights are read to the CPU and copied into the parameters wherever they live; the train state stays
     on the CPU (optimizer.load_state_dict moves its tensors to the parameters' device, and RNG states must
     be CPU byte tensors), so a checkpoint written on GPUs loads on a CPU plan and the other way round."""
-    choice: list[Any] = [None]
-    if dist.get_rank() == 0:
-        try:
-            chosen = _resume_point(run_dir, warn)
-            choice = [chosen and int(chosen.name)]
-        except Exception as error:  # every rank fails with it, rather than wait in the broadcast
-            choice = [(str(error) or type(error).__name__).splitlines()[0]]
-    dist.broadcast_object_list(choice, src=0)
-    if isinstance(choice[0], str):
-        raise RuntimeError(choice[0])
-    if choice[0] is None:
+    step = on_rank_0(lambda: _resume_point(run_dir, warn))
+    if step is None:
         return None
-    step_dir = run_dir / "checkpoints" / str(choice[0])  # under this node's own path to the run dir
+    step_dir = run_dir / "checkpoints" / str(step)  # under this node's own path to the run dir
     load_model(model, str(step_dir / "model.safetensors"))
     return torch.load(step_dir / "train_state.pt", weights_only=True, map_location="cpu")
 
 
-def _resume_point(run_dir: Path, warn: Callable[[str], None]) -> Path | None:
+def _resume_point(run_dir: Path, warn: Callable[[str], None]) -> int | None:
     """Rank 0's part of load_latest. What no resume reads goes: the temp dirs of saves that were killed (each
     as big as a checkpoint), what the retention could not delete, and the unusable checkpoints newer than the
     one chosen, moved aside to checkpoints/.unusable-<step>: the retention of later saves counts by step, so
@@ -194,7 +178,7 @@ def _resume_point(run_dir: Path, warn: Callable[[str], None]) -> Path | None:
                          f"again to train from step 0, or put a good copy back")
     if unusable:
         warn(f"warning: moved the unusable checkpoints aside to {where}; delete them once looked at")
-    return chosen
+    return chosen and int(chosen.name)
 
 
 def pretrained_sources(run_dir: Path, sections: dict[str, Any], resume: bool,
@@ -206,16 +190,8 @@ def pretrained_sources(run_dir: Path, sections: dict[str, Any], resume: bool,
     from this run's own newest checkpoint (a save_pretrained dir as well, whose weights the resume loads anyway).
     Rank 0's error is every rank's: the others would otherwise wait in the broadcast (other nodes' ranks until
     dist.startup_timeout_s)."""
-    choice: list[Any] = [None]
-    if dist.get_rank() == 0:
-        try:
-            choice = [_choose_pretrained(run_dir, sections, resume, warn)]
-        except Exception as error:  # the message travels; the type is ValueError on every rank
-            choice = [(str(error) or type(error).__name__).splitlines()[0]]
-    dist.broadcast_object_list(choice, src=0)
-    if isinstance(choice[0], str):
-        raise ValueError(choice[0])
-    return {group: choice[0].get(group, {}) for group in sections}
+    chosen = on_rank_0(lambda: _choose_pretrained(run_dir, sections, resume, warn), error_type=ValueError)
+    return {group: chosen.get(group, {}) for group in sections}
 
 
 def _choose_pretrained(run_dir: Path, sections: dict[str, Any], resume: bool,

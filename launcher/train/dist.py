@@ -10,7 +10,7 @@ import os
 import time
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -110,3 +110,22 @@ def all_gather_objects(item: Any) -> list[Any]:
     gathered: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, item)
     return gathered
+
+
+def on_rank_0(work: Callable[[], Any], error_type: type[Exception] = RuntimeError,
+              describe: Callable[[Exception], str] = lambda error: str(error) or type(error).__name__) -> Any:
+    """work() on rank 0 (file-system reads and writes that one rank does for all), its picklable result on every
+    rank; every rank must call it. Rank 0's error is every rank's, one line as `describe` says it, raised as
+    `error_type`: the others would otherwise wait in the broadcast (other nodes' ranks until a timeout)."""
+    outcome: list[Any] = [None]
+    failure = None
+    if dist.get_rank() == 0:
+        try:
+            outcome = [(True, work())]
+        except Exception as error:
+            failure, outcome = error, [(False, describe(error).splitlines()[0])]
+    dist.broadcast_object_list(outcome, src=0)
+    done, value = outcome[0]
+    if not done:
+        raise error_type(value) from failure
+    return value

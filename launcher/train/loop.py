@@ -248,10 +248,10 @@ def save_checkpoint(run: Run, progress: Progress, final_eval: dict[str, float] |
     save's eval, so that a start from it does not record the run's end again."""
     run.watchdog.at("checkpoint", progress.step)
     write_model_files = getattr(run.task, "write_model_files", None)  # optional in the Task interface
-    checkpoint.save(run.run_dir, progress.step, run.module, train_state(run, progress, final_eval), run.env.is_main,
+    checkpoint.save(run.run_dir, progress.step, run.module, train_state(run, progress, final_eval),
                     run.keep_checkpoints, run.env.device, also_keep=run.best.step,
                     model_files=write_model_files and (lambda directory: write_model_files(run.module, directory)))
-    if run.env.is_main:  # the checkpoint that holds this best is complete (the save ends in a barrier)
+    if run.env.is_main:  # the checkpoint that holds this best is complete (the save ends in a collective)
         run.best.write(run.run_dir)
 
 

@@ -23,7 +23,7 @@ from torch.distributed.elastic.multiprocessing.errors.handlers import get_error_
 from launcher.preempt import OUT_OF_MEMORY_EXIT_CODE
 from launcher.rundir import write_atomically
 from launcher.task import Task, to_device
-from launcher.train.dist import all_gather_objects
+from launcher.train.dist import all_gather_objects, on_rank_0
 from launcher.train.sync_check import host_side
 
 if TYPE_CHECKING:
@@ -186,7 +186,7 @@ def choose(run: Run, max_size: int | None, from_checkpoint: int | None) -> None:
     bound = min(max_size or share, share)
     # Rank 0's reading, for all: another node may see an older copy of a file just replaced (NFS caches names),
     # and ranks that disagreed here would enter different collectives. No rank writes it before this.
-    record = all_gather_objects(read_record(run.run_dir) if run.env.rank == 0 else None)[0]
+    record = on_rank_0(lambda: read_record(run.run_dir))
     kept = {source: size for source, size in ((MICRO_BATCH_FILE, record and record["micro_batch_size"]),
                                               ("the checkpoint", from_checkpoint)) if size}
     if kept and min(kept.values()) <= bound and share % min(kept.values()) == 0:  # alike on every rank
