@@ -44,8 +44,10 @@ class ToyRegression:
                  noise: float = 0.05, seed: int = 1234, dtype: str = "float32", sleep_s: float = 0.0,
                  sleep_rank: int | None = None, stall_rank: int = -1, stall_at_call: int = 0, stall_s: float = 0.0,
                  oom_rank: int = -1, oom_max_items: int = 0, oom_from_call: int = 1, oom_in_backward: bool = False,
-                 oom_in_eval: bool = False):
+                 oom_in_eval: bool = False, save_sleep_s: float = 0.0):
         rank = int(os.environ.get("RANK", 0))
+        if save_sleep_s:  # tests: rank 0 takes this long to write each checkpoint (as on a slow file system)
+            self.write_model_files = lambda model, directory: time.sleep(save_sleep_s)
         # per loss computation, on every rank or on sleep_rank only: lets tests signal or kill a run
         # mid-training, or make one rank a straggler
         self.sleep_s = sleep_s if sleep_rank in (None, rank) else 0.0

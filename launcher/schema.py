@@ -138,6 +138,7 @@ class DistConfig:
     backend: str = "auto"  # auto: nccl with CUDA, else gloo
     timeout_s: float = 600.0  # once training runs, a collective that waits longer fails instead of hanging
     startup_timeout_s: float = 1800.0  # until the first step is done: rendezvous, model build, resume, compile
+    checkpoint_timeout_s: float = 1800.0  # a save: the others wait while rank 0 writes and checksums every file
     hang_timeout_s: float = 300.0  # a rank whose loop stands still this long writes <run_dir>/hang/rank<N>.txt
     # null: torch's default, 25 MB buckets after a 1 MB first one, so the all-reduce of the last layers'
     # gradients starts while backward goes on (an explicit 25 makes the first bucket 25 MB too)

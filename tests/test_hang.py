@@ -60,3 +60,19 @@ def test_start_up_has_its_own_timeout(tmp_path: Path, startup_timeout_s: int, ok
     assert (out.returncode == 0) == ok, out.stderr[-3000:]
     if not ok:
         assert "Timed out" in out.stderr or "timeout" in out.stderr.lower()
+
+
+@pytest.mark.parametrize("checkpoint_timeout_s,ok", [(60, True), (4, False)], ids=["covered", "control"])
+def test_a_save_longer_than_the_collective_timeout_has_its_own(tmp_path: Path, checkpoint_timeout_s: int,
+                                                               ok: bool) -> None:
+    """Rank 0 takes 12 s to write the final checkpoint (a slow file system) while rank 1 waits for it and
+    dist.timeout_s=4: dist.checkpoint_timeout_s covers the wait, and the run ends complete."""
+    run_dir = tmp_path / "run"
+    out = run_cli("+exp=toy", "train.global_batch_size=16", "train.micro_batch_size=8", "train.max_steps=3",
+                  "launcher.nproc_per_node=2", "dist.timeout_s=4", f"dist.checkpoint_timeout_s={checkpoint_timeout_s}",
+                  "launcher.shutdown_timeout_s=5", "data.save_sleep_s=12", f"hydra.run.dir={run_dir}", cwd=tmp_path)
+    assert (out.returncode == 0) == ok, out.stderr[-3000:]
+    if ok:
+        assert json.loads((run_dir / "summary.json").read_text())["checkpoint"].endswith("checkpoints/3")
+    else:  # rank 1 gave up waiting
+        assert "rank 1" in [line for line in out.stderr.splitlines() if line.startswith("error: ")][0], out.stderr

@@ -116,8 +116,9 @@ def local_nodes(cfg: DictConfig) -> tuple[int, int]:
 def make_plan(cfg: DictConfig) -> Plan:
     """Check the config against where it will run and derive the plan, or raise ConfigError."""
     _require_positive(cfg, "train.global_batch_size", "train.max_micro_batch_size",
-                      "train.log_every", "launcher.nproc_per_node", "dist.timeout_s", "dist.hang_timeout_s", "dist.startup_timeout_s", "train.straggler_ratio",
-                      "optimizer.lr", "train.max_grad_norm")
+                      "train.log_every", "launcher.nproc_per_node", "dist.timeout_s", "dist.hang_timeout_s",
+                      "dist.startup_timeout_s", "dist.checkpoint_timeout_s", "train.straggler_ratio", "optimizer.lr",
+                      "train.max_grad_norm")
     _require_positive(cfg, "train.keep_checkpoints", "train.max_bad_steps", "launcher.shutdown_timeout_s",
                       "train.prefetch_factor")
     for key in ("train.max_steps", "train.eval_every", "train.ckpt_every", "train.num_workers", "scheduler.warmup_steps",

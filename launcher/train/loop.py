@@ -51,6 +51,7 @@ class Run:
     max_steps: int
     max_grad_norm: float | None
     timeout_s: float  # collectives once the first step is done (dist.timeout_s)
+    checkpoint_timeout_s: float  # the others' wait while rank 0 writes a checkpoint (dist.checkpoint_timeout_s)
     log_every: int
     eval_every: int
     ckpt_every: int
@@ -248,9 +249,15 @@ def save_checkpoint(run: Run, progress: Progress, final_eval: dict[str, float] |
     save's eval, so that a start from it does not record the run's end again."""
     run.watchdog.at("checkpoint", progress.step)
     write_model_files = getattr(run.task, "write_model_files", None)  # optional in the Task interface
-    checkpoint.save(run.run_dir, progress.step, run.module, train_state(run, progress, final_eval),
-                    run.keep_checkpoints, run.env.device, also_keep=run.best.step,
-                    model_files=write_model_files and (lambda directory: write_model_files(run.module, directory)))
+    # The others wait in a collective while rank 0 writes and checksums: gigabytes to a shared file system can
+    # take longer than dist.timeout_s, and NCCL's watchdog would end the waiting ranks (the save lost with them)
+    training_timeout(run.checkpoint_timeout_s)
+    try:
+        checkpoint.save(run.run_dir, progress.step, run.module, train_state(run, progress, final_eval),
+                        run.keep_checkpoints, run.env.device, also_keep=run.best.step,
+                        model_files=write_model_files and (lambda directory: write_model_files(run.module, directory)))
+    finally:
+        training_timeout(run.timeout_s)
     if run.env.is_main:  # the checkpoint that holds this best is complete (the save ends in a collective)
         run.best.write(run.run_dir)
 

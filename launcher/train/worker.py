@@ -98,7 +98,8 @@ def build(cfg: DictConfig, run_dir: Path, env: launcher_dist.DistEnv) -> Run:
               out_of_memory=micro_batch.OutOfMemoryAgreement(
                   auto, env.device, launcher_dist.startup_timeout_s(cfg.dist.startup_timeout_s, cfg.dist.timeout_s)),
               max_steps=train_cfg.max_steps,
-              max_grad_norm=train_cfg.max_grad_norm, timeout_s=cfg.dist.timeout_s, log_every=train_cfg.log_every,
+              max_grad_norm=train_cfg.max_grad_norm, timeout_s=cfg.dist.timeout_s,
+              checkpoint_timeout_s=cfg.dist.checkpoint_timeout_s, log_every=train_cfg.log_every,
               eval_every=train_cfg.eval_every, ckpt_every=train_cfg.ckpt_every,
               keep_checkpoints=train_cfg.keep_checkpoints, max_bad_steps=train_cfg.max_bad_steps,
               log_samples=train_cfg.log_samples, num_workers=train_cfg.num_workers,
