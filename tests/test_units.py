@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 import random
+import time
 
 import numpy as np
 import pytest
@@ -154,6 +155,36 @@ def test_mfu_has_no_peak_where_none_is_known() -> None:
     assert peak_flops(torch.device("cuda", 0), "fp32", tf32=False) is None
 
 
+@pytest.mark.parametrize("name,peak", [
+    ("NVIDIA H100 80GB HBM3", 989e12), ("NVIDIA H100 PCIe", 756e12), ("NVIDIA H100 NVL", 835e12),
+    ("NVIDIA A100-SXM4-80GB", 312e12), ("NVIDIA A10", 125e12), ("NVIDIA A10G", None), ("NVIDIA L40", 181e12),
+    ("NVIDIA L40S", 362e12), ("NVIDIA L4", 121e12), ("NVIDIA GH200 480GB", 989e12), ("NVIDIA H20", None),
+    ("Tesla V100-SXM2-32GB", 125e12), ("NVIDIA GeForce RTX 4090", 165e12)])
+def test_mfu_takes_the_peak_of_the_gpu_named_and_of_no_other(name: str, peak: float | None) -> None:
+    """The GPU's model as a whole word of its name: an A10G (about half an A10's peak) or an H20 gets none, rather
+    than the peak of the GPU whose name starts like its own."""
+    from launcher.train.meter import peak_of_gpu
+
+    assert peak_of_gpu(name) == peak
+
+
+@pytest.mark.parametrize("tf32", [True, False])
+def test_train_tf32_sets_matmuls_and_convolutions_alike_on_cuda(tf32: bool) -> None:
+    """train.tf32=false turns off cuDNN's TF32 too, which torch's default leaves on (exact fp32 convolutions);
+    a CPU plan leaves both flags alone. (The flags exist without a GPU; the device is not touched.)"""
+    from launcher.train.precision import Precision
+
+    before = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    try:
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = not tf32
+        Precision("fp32", "cpu", tf32).apply_tf32()
+        assert (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32) == (not tf32, not tf32)
+        Precision("fp32", "cuda", tf32).apply_tf32()
+        assert (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32) == (tf32, tf32)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = before
+
+
 def test_slurm_rendezvous_ports_differ_by_job_and_requeue_and_stay_below_ephemeral_ports() -> None:
     """PITFALLS #22 on Slurm: jobs sharing a node rendezvous on ports of their own. Array tasks whose ids have
     the same digits (1_23, 12_3) get two ports, and every port is below Linux's ephemeral range (32768 on)."""
@@ -164,3 +195,17 @@ def test_slurm_rendezvous_ports_differ_by_job_and_requeue_and_stay_below_ephemer
     ports = {rendezvous_port(f"{job}_{task}", restart) for job in range(1000, 1020) for task in range(50)
              for restart in range(2)}
     assert min(ports) >= 20000 and max(ports) < 32768 and len(ports) > 1500  # 2000 ids, few collisions
+
+
+def test_a_dropped_step_attempt_is_not_compute_of_the_straggler_interval() -> None:
+    """A step redone after running out of memory (train_step drops its timed attempt): the straggler metric
+    compares what the ranks spent on the steps that counted."""
+    from launcher.train.straggler import ComputeTimer
+
+    timer = ComputeTimer(torch.device("cpu"), rank=0, world_size=2)
+    for seconds in (0.02, 0.3):
+        timer.start()
+        time.sleep(seconds)
+        timer.stop()
+    timer.drop_last()
+    assert 0.02 <= timer.host_s < 0.2

@@ -3,6 +3,7 @@ read out only at log steps. Exercised by: `python -m launcher +exp=bert` (metric
 """
 from __future__ import annotations
 
+import re
 import resource
 import time
 from typing import Any
@@ -12,9 +13,12 @@ import torch
 from launcher.train.dist import all_reduce_sum
 from launcher.train.straggler import ComputeTimer
 
-# Dense peak FLOP/s per GPU for bf16/fp16 tensor cores (fp32 runs with train.tf32 use TF32, about half).
-PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10": 125e12, "L4": 121e12,
-              "V100": 125e12, "4090": 165e12}
+# Dense peak FLOP/s per GPU for bf16/fp16 tensor cores (fp32 runs with train.tf32 use TF32, about half), by the
+# model in torch.cuda.get_device_name as a whole word, first match first: an A10G is not an A10, nor a GH200 an
+# H200, and a GPU not listed has no MFU rather than another one's peak
+PEAK_FLOPS = (("H100 PCIe", 756e12), ("H100 NVL", 835e12), ("H100", 989e12), ("H200", 989e12), ("H800", 989e12),
+              ("GH200", 989e12), ("B200", 2250e12), ("A100", 312e12), ("L40S", 362e12), ("L40", 181e12),
+              ("A10", 125e12), ("L4", 121e12), ("V100", 125e12), ("4090", 165e12))
 
 
 def peak_flops(device: torch.device, precision: str, tf32: bool = True) -> float | None:
@@ -24,11 +28,13 @@ def peak_flops(device: torch.device, precision: str, tf32: bool = True) -> float
         return None
     if precision != "fp16" and torch.cuda.get_device_capability(device) < (8, 0):
         return None
-    name = torch.cuda.get_device_name(device)
-    peak = next((v for k, v in PEAK_FLOPS.items() if k in name), None)
-    if peak and "PCIe" in name and "H100" in name:
-        peak = 756e12
+    peak = peak_of_gpu(torch.cuda.get_device_name(device))
     return None if peak is None else peak / (2 if precision == "fp32" else 1)
+
+
+def peak_of_gpu(name: str) -> float | None:
+    """`NVIDIA H100 80GB HBM3` -> its dense bf16/fp16 peak FLOP/s; None for a GPU not in PEAK_FLOPS."""
+    return next((peak for model, peak in PEAK_FLOPS if re.search(rf"\b{re.escape(model)}\b", name)), None)
 
 
 def training_flops_per_item(model: torch.nn.Module) -> float:

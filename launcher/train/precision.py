@@ -26,6 +26,14 @@ class Precision:
         dtype = self.autocast_dtype
         return torch.autocast(self.device_type, dtype=dtype or torch.float32, enabled=dtype is not None)
 
+    def apply_tf32(self) -> None:
+        """CUDA: TF32 for fp32 matmuls and convolutions on Ampere+ (~free speed), or neither. Set both ways: torch's
+        own default leaves cuDNN's on, so train.tf32=false must turn it off for exact fp32 convolutions.
+        The legacy flags, not the per-backend fp32_precision of torch 2.9+: a write through that makes inductor's
+        reads of the legacy ones raise "mix of the legacy and new APIs" (pytorch#189955)."""
+        if self.device_type == "cuda":
+            torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = self.tf32
+
     def grad_scaler(self, init_scale: float, growth_interval: int) -> torch.amp.GradScaler:
         # fp16 has too few exponent bits for small gradients; bf16 and fp32 need no scaling.
         return torch.amp.GradScaler(self.device_type, init_scale=init_scale,

@@ -53,6 +53,7 @@ def train_step(model: DDP, task: Task, window: Window, optimizer: torch.optim.Op
         last_loss = None  # the traceback, and the activations its frames hold, go with this block
     timer.stop()  # the last backward waits for every rank's gradients
     if out_of_memory.any_rank_ran_out(last_loss is None):  # agreed before the step's one gradient all-reduce
+        timer.drop_last()
         return None  # every rank drops the step (micro_batch.shrink) and redoes it in smaller micro-batches
     scaler.scale(last_loss * scale).backward()  # DDP all-reduces the gradients during this backward
     loss_sum += last_loss.detach().float()

@@ -23,7 +23,7 @@ class ComputeTimer:
         self.cuda = device.type == "cuda"
         self.on = world_size > 1  # one rank has nobody to compare with: no events, no host clock
         self.spans: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
-        self.host_s, self.started = 0.0, 0.0
+        self.host_s, self.started, self.last_s = 0.0, 0.0, 0.0
 
     def start(self) -> None:
         if not self.on:
@@ -42,7 +42,18 @@ class ComputeTimer:
             stopped.record()
             self.spans.append((self.started, stopped))
         else:
-            self.host_s += time.perf_counter() - self.started
+            self.last_s = time.perf_counter() - self.started
+            self.host_s += self.last_s
+
+    def drop_last(self) -> None:
+        """Forget the last start..stop: a step attempt dropped after running out of memory is redone, and only the
+        attempt that counts is the step's compute."""
+        if not self.on:
+            return
+        if self.cuda:
+            self.spans.pop()
+        else:
+            self.host_s -= self.last_s
 
     def read(self) -> dict[str, float | int]:
         """The interval's compute time of the slowest rank over the median rank's; every rank calls it.

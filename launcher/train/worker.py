@@ -60,10 +60,8 @@ def build(cfg: DictConfig, run_dir: Path, env: launcher_dist.DistEnv) -> Run:
     check_task(task, cfg.data._target_)
     model = build_part("model", cfg.model, **sources["model"]).to(env.device)
     model.train()  # dropout on from step 1: HF's from_pretrained returns a model in eval mode
-    if env.device.type == "cuda" and train_cfg.tf32:  # TF32 matmuls on Ampere+: ~free speed for fp32 parts
-        # The legacy flags, not the per-backend fp32_precision of torch 2.9+: a write through that makes
-        # inductor's reads of the legacy ones raise "mix of the legacy and new APIs" (pytorch#189955)
-        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+    precision = Precision(cfg.precision.name, env.device.type, train_cfg.tf32)
+    precision.apply_tf32()  # before compile, which reads it
     trained = compile_module(model, train_cfg.compile_mode, train_cfg.compile_dynamic, train_cfg.compile_fullgraph,
                              train_cfg.compile_ddp_split) if train_cfg.compile else model
     ddp = DDP(trained, device_ids=[env.local_rank] if env.device.type == "cuda" else None,
@@ -81,7 +79,6 @@ def build(cfg: DictConfig, run_dir: Path, env: launcher_dist.DistEnv) -> Run:
     optimizer = build_part("optimizer", cfg.optimizer, params=ddp.parameters(), _convert_="all", **fused)
     scheduler = build_scheduler(optimizer, cfg.scheduler.name, cfg.scheduler.warmup_steps, train_cfg.max_steps,
                                 cfg.scheduler.min_lr_ratio)
-    precision = Precision(cfg.precision.name, env.device.type, train_cfg.tf32)
     data_plan = DataPlan(n_samples=len(task.train_set), global_batch_size=train_cfg.global_batch_size,
                          seed=train_cfg.seed, drop_last=train_cfg.drop_last)
     if data_plan.steps_per_epoch == 0:
