@@ -35,6 +35,18 @@ class HostReadingSequential(nn.Sequential):
         return x
 
 
+class RunsOutInTheCopy(torch.Tensor):
+    """tests (data.oom_in_copy): a batch's inputs, whose copy to the device runs out of memory when the job says."""
+
+    task: ToyRegression
+
+    def to(self, *args, **kwargs) -> torch.Tensor:
+        if self.task.runs_out(len(self)):
+            raise torch.OutOfMemoryError(f"test: more than {self.task.oom_max_items} samples, in the copy to the "
+                                         f"device (jobs/toy.py)")
+        return super().to(*args, **kwargs).as_subclass(torch.Tensor)
+
+
 class ToyRegression:
     """y = tanh(x A) B + noise on fixed Gaussian inputs; per-sample loss = mean squared error."""
 
@@ -44,7 +56,7 @@ class ToyRegression:
                  noise: float = 0.05, seed: int = 1234, dtype: str = "float32", sleep_s: float = 0.0,
                  sleep_rank: int | None = None, stall_rank: int = -1, stall_at_call: int = 0, stall_s: float = 0.0,
                  oom_rank: int = -1, oom_max_items: int = 0, oom_from_call: int = 1, oom_in_backward: bool = False,
-                 oom_in_eval: bool = False, save_sleep_s: float = 0.0):
+                 oom_in_eval: bool = False, oom_in_copy: bool = False, save_sleep_s: float = 0.0):
         rank = int(os.environ.get("RANK", 0))
         if save_sleep_s:  # tests: rank 0 takes this long to write each checkpoint (as on a slow file system)
             self.write_model_files = lambda model, directory: time.sleep(save_sleep_s)
@@ -56,11 +68,12 @@ class ToyRegression:
         self.stall_at_call, self.calls = stall_at_call, 0
         # oom_rank pretends to run out of memory (torch.OutOfMemoryError) for any batch of more than
         # oom_max_items samples from its oom_from_call-th loss computation with gradients on (probe trials
-        # included): in the forward, or in the backward (where the last micro-batch's all-reduce runs); with
-        # oom_in_eval also for every such eval batch
+        # included): in the forward, in the backward (where the last micro-batch's all-reduce runs), or as the
+        # batch goes to the device (oom_in_copy, as on a nearly full GPU); with oom_in_eval also for every such
+        # eval batch
         self.oom_max_items = oom_max_items if rank == oom_rank else None
         self.oom_from_call, self.oom_in_backward, self.grad_calls = oom_from_call, oom_in_backward, 0
-        self.oom_in_eval = oom_in_eval
+        self.oom_in_eval, self.oom_in_copy = oom_in_eval, oom_in_copy and self.oom_max_items is not None
         generator = torch.Generator().manual_seed(seed)
         dt = getattr(torch, dtype)
         a = torch.randn(in_features, 16, generator=generator, dtype=dt)
@@ -71,8 +84,11 @@ class ToyRegression:
         self.train_set, self.eval_set = samples[:n_samples], samples[n_samples:] or None
 
     def collate(self, samples: list[dict]) -> dict[str, torch.Tensor]:
-        return {"id": torch.tensor([s["id"] for s in samples]), "x": torch.stack([s["x"] for s in samples]),
-                "y": torch.stack([s["y"] for s in samples])}
+        x = torch.stack([s["x"] for s in samples])
+        if self.oom_in_copy:
+            x = x.as_subclass(RunsOutInTheCopy)
+            x.task = self
+        return {"id": torch.tensor([s["id"] for s in samples]), "x": x, "y": torch.stack([s["y"] for s in samples])}
 
     def count_items(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         return torch.tensor(len(batch["x"]))
@@ -84,13 +100,18 @@ class ToyRegression:
         if self.stall_s and self.calls == self.stall_at_call:
             time.sleep(self.stall_s)
         loss = ((model(batch["x"]) - batch["y"]) ** 2).mean(dim=1).sum()
-        if self.oom_max_items is not None and torch.is_grad_enabled():
-            self.grad_calls += 1
-            if self.grad_calls >= self.oom_from_call and len(batch["x"]) > self.oom_max_items:
-                if not self.oom_in_backward:
-                    raise torch.OutOfMemoryError(f"test: more than {self.oom_max_items} samples (jobs/toy.py)")
-                loss.register_hook(self._out_of_memory)
+        if not self.oom_in_copy and self.runs_out(len(batch["x"])):
+            if not self.oom_in_backward:
+                raise torch.OutOfMemoryError(f"test: more than {self.oom_max_items} samples (jobs/toy.py)")
+            loss.register_hook(self._out_of_memory)
         return loss
+
+    def runs_out(self, n_samples: int) -> bool:
+        """tests: whether oom_rank runs out of memory now, for a batch of n_samples with gradients on."""
+        if self.oom_max_items is None or not torch.is_grad_enabled():
+            return False
+        self.grad_calls += 1
+        return self.grad_calls >= self.oom_from_call and n_samples > self.oom_max_items
 
     def _out_of_memory(self, grad: torch.Tensor) -> torch.Tensor:
         raise torch.OutOfMemoryError(f"test: more than {self.oom_max_items} samples, in backward (jobs/toy.py)")

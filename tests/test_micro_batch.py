@@ -103,6 +103,17 @@ def test_running_out_mid_run_redoes_the_step_on_every_rank(tmp_path: Path, fixed
     assert per_step(run_dir, "micro_batch_size")[STEPS:] == [4] * 4
 
 
+def test_running_out_in_the_copy_to_the_device_redoes_the_step_too(tmp_path: Path, fixed) -> None:
+    """A nearly full GPU can fail the micro-batch's copy before its forward: rank 1 runs out there at step 5, and
+    the step is redone at micro-batch 4 as above (not an exit as if inside the all-reduce)."""
+    run_dir = tmp_path / "copy"
+    log = launch(run_dir, *AUTO, *RANK1_HOLDS_4_FROM_STEP_5, "data.oom_in_copy=true")
+    assert "rank 1 (CPU memory) ran out of memory at step 5 with micro-batch 8; every rank redoes step 5" in log
+    assert per_step(run_dir, "micro_batch_size") == [8] * 4 + [4] * (STEPS - 4)
+    assert samples(run_dir) == samples(fixed[8])
+    assert_same_float64_weights(run_dir, fixed[8], STEPS)
+
+
 def test_fp16_dropped_step_leaves_no_trace(tmp_path: Path) -> None:
     """fp16 (float32 weights): the dropped attempt of step 5 takes no optimizer, scheduler or scaler step and
     leaves no gradient behind. The run equals, bitwise, one that switches to micro-batch 4 at step 5 without

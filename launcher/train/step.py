@@ -35,7 +35,6 @@ def train_step(model: DDP, task: Task, window: Window, optimizer: torch.optim.Op
                stop_requested: bool = False) -> StepResult | None:
     """One optimizer step; None when a rank ran out of memory before the gradient all-reduce (with
     train.micro_batch_size=auto): then nothing changed, and every rank redoes the step in smaller pieces."""
-    batches = [to_device(b, device) for b in window.micro_batches]
     weight = 0.0 if window.padding else 1.0
     world_size = torch.distributed.get_world_size()
 
@@ -46,7 +45,7 @@ def train_step(model: DDP, task: Task, window: Window, optimizer: torch.optim.Op
     scale = world_size / n_items
     timer.start()  # this rank's compute before it waits for the others (straggler metric)
     try:
-        last_loss, loss_sum = forward_until_sync(model, task, batches, weight, scale, scaler, precision)
+        last_loss, loss_sum = forward_until_sync(model, task, window.micro_batches, weight, scale, scaler, precision)
     except torch.OutOfMemoryError:
         if not out_of_memory.enabled:
             raise
@@ -75,20 +74,23 @@ def train_step(model: DDP, task: Task, window: Window, optimizer: torch.optim.Op
     return StepResult(loss=loss_sum / n_items, grad_norm=grad_norm)
 
 
-def forward_until_sync(model: DDP, task: Task, batches: list[dict], weight: float, scale: torch.Tensor,
+def forward_until_sync(model: DDP, task: Task, cpu_batches: list[dict], weight: float, scale: torch.Tensor,
                        scaler: torch.amp.GradScaler, precision: Precision) -> tuple[torch.Tensor, torch.Tensor]:
     """Everything of the step that enters no collective: forward AND backward of micro-batches 1..K-1
     inside no_sync (DDP all-reduces only in the last backward), then the last micro-batch's forward.
-    Returns the last micro-batch's loss and the others' summed loss."""
-    loss_sum = torch.zeros((), device=scale.device)
-    for batch in batches[:-1]:
+    Each micro-batch goes to the device here, where running out of memory can still be redone (a nearly full
+    GPU may fail the copy as well as the forward). Returns the last micro-batch's loss and the others' summed
+    loss."""
+    device = scale.device
+    loss_sum = torch.zeros((), device=device)
+    for batch in cpu_batches[:-1]:
         with model.no_sync():
             with precision.autocast():
-                batch_loss = task.loss_sum(model, batch) * weight
+                batch_loss = task.loss_sum(model, to_device(batch, device)) * weight
             scaler.scale(batch_loss * scale).backward()
         loss_sum += batch_loss.detach().float()
     with precision.autocast():
-        return task.loss_sum(model, batches[-1]) * weight, loss_sum
+        return task.loss_sum(model, to_device(cpu_batches[-1], device)) * weight, loss_sum
 
 
 def step_unless_nonfinite(optimizer: torch.optim.Optimizer, nonfinite: torch.Tensor) -> None:
