@@ -20,6 +20,7 @@ PRETRAINED_KEYS = ("pretrained", "tokenizer")
 PRETRAINED_FILE = "pretrained.json"  # the checkpoints that such keys naming a run dir stand for, in this run
 HANG_DIR = "hang"  # <run_dir>/hang/rank<N>.txt: a rank's hang report
 BEST_FILE = "best.json"  # train.best_metric: the best eval so far and the step of its checkpoint
+SUMMARY_FILE = "summary.json"  # rank 0's last write, at the end of a run (none after a preemption)
 
 
 def write_atomically(path: Path, text: str) -> None:
@@ -42,7 +43,7 @@ def ended_summary(run_dir: Path, steps: int) -> dict[str, Any] | None:
     """summary.json when it is that of a run that ended (not preempted) after `steps` steps: the parent then
     starts nothing, and workers that start after the final save leave it as it is."""
     try:
-        summary = json.loads((run_dir / "summary.json").read_text())
+        summary = json.loads((run_dir / SUMMARY_FILE).read_text())
     except (OSError, ValueError):  # none: the run stopped before its end (or right after its final save)
         return None
     return summary if summary.get("steps") == steps and not summary.get("preempted") else None

@@ -62,6 +62,21 @@ def test_ctrl_c_twice_stops_at_once_without_the_save(tmp_path: Path) -> None:
     assert "stopped by SIGINT before the workers saved a checkpoint" in out and "to resume from step 1" in out
 
 
+def test_ctrl_c_after_the_last_step_lets_the_run_end(tmp_path: Path) -> None:
+    """Ctrl-C in the final eval: there is no step left to stop at, and the workers go on to the final checkpoint
+    and summary. The launch said "stopped ... before the workers saved a checkpoint" (exit 75), and left a
+    preempted.json and a KILLED tracker run behind a run that was complete."""
+    run_dir = tmp_path / "run"
+    # rank 0's 5th loss computation is its first eval batch (2 steps of 2 micro-batches): 4 s there
+    proc = start(run_dir, "train.max_steps=2", "data.stall_rank=0", "data.stall_at_call=5", "data.stall_s=4")
+    wait_until(lambda: logged_step(run_dir) >= 2)
+    proc.send_signal(signal.SIGINT)
+    out = finish(proc, 0)
+    assert "the run ended before SIGINT could stop it: nothing to resume" in out
+    assert not (run_dir / "preempted.json").exists()
+    assert json.loads((run_dir / "summary.json").read_text())["eval"]["loss"] > 0
+
+
 # sitecustomize of the launcher's process: SIGTERM as soon as the launcher keeps it, in the seconds of its imports
 TERM_ONCE_KEPT = """import os, signal, threading, time
 if os.environ.pop("TERM_ONCE_KEPT", None):  # this process only, not the workers it would start

@@ -11,6 +11,7 @@ import hashlib
 import json
 import os
 import shutil
+import signal
 import sys
 from contextlib import contextmanager
 from pathlib import Path
@@ -29,7 +30,7 @@ from launcher.derived import NODE_CONFIG, node_view
 from launcher.launch.plan import Plan
 from launcher.preempt import (PREEMPTED_FILE, REQUEUE_EXIT_CODE, early_signal, preemption_signals, read_preempted,
                               stop_line, write_preempted)
-from launcher.rundir import HANG_DIR, complete_steps, hang_summary
+from launcher.rundir import HANG_DIR, SUMMARY_FILE, complete_steps, hang_summary
 from launcher.train.orphan import AGENT_PID
 
 COMM_TRACES_DIR = "comm_traces"  # NCCL flight recorder dumps, one file per rank, when a collective times out
@@ -67,6 +68,14 @@ def run_local(config_path: Path, plan: Plan, launcher: DictConfig, config: dict[
     (config_path.parent / PREEMPTED_FILE).unlink(missing_ok=True)  # an earlier launch's marker means nothing
     node = {NODE_CONFIG: json.dumps(node_view(config, config_path.parent))} if plan.nnodes > 1 else {}
     return run_agent(config_path, plan, launcher, local_rendezvous(plan, launcher, config_path.parent), node)
+
+
+def summary_stamp(run_dir: Path) -> int | None:
+    """When summary.json was last written (None: there is none): rank 0's last write, at the run's end."""
+    try:
+        return (run_dir / SUMMARY_FILE).stat().st_mtime_ns
+    except OSError:
+        return None
 
 
 def rendezvous_endpoint(rendezvous: list[str]) -> str:
@@ -124,6 +133,7 @@ def run_agent(config_path: Path, plan: Plan, launcher: DictConfig, rendezvous: l
         (run_dir / COMM_TRACES_DIR).mkdir(exist_ok=True)
     for note in fallback_notes(signals, launcher.shutdown_timeout_s):
         print(note, file=sys.stderr, flush=True)
+    summary_before = summary_stamp(run_dir)
     try:
         started = early_signal() not in signals  # one kept since the launcher started: no worker starts
         if not started:
@@ -132,6 +142,9 @@ def run_agent(config_path: Path, plan: Plan, launcher: DictConfig, rendezvous: l
             torchrun.run(torchrun.parse_args(torchrun_args(config_path, plan, launcher, rendezvous)))
     except SignalException as err:  # the agent relayed it and waited for the workers' checkpoint
         code = 128 + int(err.sigval)
+        if summary_stamp(run_dir) != summary_before:  # after the last step (the final eval, save): the workers ended
+            print(f"the run ended before {signal.Signals(err.sigval).name} could stop it: nothing to resume", file=sys.stderr)
+            return 0  # the run (rank 0 writes summary.json last), and no step is left to stop at
         if err.sigval in signals and read_preempted(run_dir) is None:  # they saved none: a requeue goes on all the same
             write_preempted(run_dir, (complete_steps(run_dir) or [0])[-1], err.sigval, saved=False, started=started)
     except (RendezvousError, DistStoreError, DistNetworkError) as err:  # nobody serves the endpoint, nodes missing

@@ -11,7 +11,7 @@ from typing import Any
 from launcher.launch.run_lock import lock_holder
 from launcher.launch.slurm import recorded_job, slurm_states
 from launcher.preempt import PREEMPTED_FILE
-from launcher.rundir import best_record, complete_steps
+from launcher.rundir import SUMMARY_FILE, best_record, complete_steps
 
 
 def run_dirs(root: Path) -> list[Path]:
@@ -30,7 +30,7 @@ def describe(run_dir: Path, job: str | None, slurm: dict[str, str]) -> dict[str,
         row["state"] = "RUNNING"
     elif job:
         row["state"] = slurm[job]
-    elif (run_dir / "summary.json").is_file():
+    elif (run_dir / SUMMARY_FILE).is_file():
         row["state"] = "DONE"
     elif (run_dir / PREEMPTED_FILE).is_file():
         row["state"] = "PREEMPTED"

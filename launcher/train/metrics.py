@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from launcher.preempt import write_preempted
-from launcher.rundir import BEST_FILE, ended_summary
+from launcher.rundir import BEST_FILE, SUMMARY_FILE, ended_summary
 from launcher.tracker import Resume, Trackers, open_trackers
 
 FALLING_SCALE_LOGS = 3  # an fp16 loss scale that fell at this many logged steps in a row is worth a warning
@@ -48,7 +48,7 @@ class RunLog:
                 path.write_text("".join(line + "\n" for line in kept))
                 lost = lost or (name == "metrics.jsonl" and len(kept) < len(lines))
         if not step:  # what an earlier start ended with is not this run's
-            for name in ("summary.json", BEST_FILE):
+            for name in (SUMMARY_FILE, BEST_FILE):
                 (self.run_dir / name).unlink(missing_ok=True)
         self._metrics = open(self.run_dir / "metrics.jsonl", "a")
         self._trackers = open_trackers(self.run_dir, self.config, Resume(step, lost), self.warn)
@@ -141,7 +141,7 @@ class RunLog:
             print(f"done: the run had ended before this start ({self.run_dir / 'summary.json'} stands); final loss "
                   f"{_fmt(record['final_loss'])}", flush=True)
             return
-        (self.run_dir / "summary.json").write_text(json.dumps(record, indent=2) + "\n")
+        (self.run_dir / SUMMARY_FILE).write_text(json.dumps(record, indent=2) + "\n")
         self._trackers.call("finish", record)
         self.close()
         from rich.console import Console
