@@ -188,9 +188,10 @@ def train(run: Run, progress: Progress, stop: StopFlag, final_eval: dict[str, fl
             torch.distributed.barrier()
             preempted = True
             break
-        best_now = eval_now and record_eval(run, step)
-        if ckpt_now or best_now:
-            save_checkpoint(run, progress)
+        with meter.left_out():  # the next log's samples/s, tokens/s and MFU are those of training
+            best_now = eval_now and record_eval(run, step)
+            if ckpt_now or best_now:
+                save_checkpoint(run, progress)
 
     wall = time.perf_counter() - started
     summary = {"steps": progress.step, "final_loss": progress.last_loss, "preempted": preempted,

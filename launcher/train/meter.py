@@ -6,7 +6,8 @@ from __future__ import annotations
 import re
 import resource
 import time
-from typing import Any
+from contextlib import contextmanager
+from typing import Any, Iterator
 
 import torch
 
@@ -58,7 +59,7 @@ class Meter:
 
     def reset(self) -> None:
         self.steps = self.samples = 0
-        self.data_wait_s = 0.0
+        self.data_wait_s = self.left_out_s = 0.0
         self.started = time.perf_counter()
         self.loss.zero_()
         self.tokens: int | None = None  # this rank's, counted on the CPU (text jobs only)
@@ -71,9 +72,18 @@ class Meter:
         if tokens is not None:
             self.tokens = (self.tokens or 0) + tokens
 
+    @contextmanager
+    def left_out(self) -> Iterator[None]:
+        """Time that is not training (an eval, a checkpoint): the interval's rates leave it out."""
+        began = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.left_out_s += time.perf_counter() - began
+
     def read(self) -> dict[str, Any]:
         """The interval's means and rates; every rank calls it (tokens are summed over ranks)."""
-        elapsed = time.perf_counter() - self.started
+        elapsed = time.perf_counter() - self.started - self.left_out_s
         record: dict[str, Any] = {"loss": (self.loss / max(self.steps, 1)).item(),
                                   "samples_per_sec": self.samples / elapsed}
         items_per_sec = record["samples_per_sec"]
