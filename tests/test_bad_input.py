@@ -164,13 +164,21 @@ def test_cuda_plan_without_a_gpu_is_one_line(tmp_path: Path) -> None:
                           "unexpected keyword argument 'seq_lenn'; the keys of data.* are its arguments"),
     ("model._target_=jobs.toy.MLPP", "model._target_=jobs.toy.MLPP failed: ImportError: Error loading 'jobs.toy.MLPP'"),
     ("+optimizer.nope=1", "optimizer._target_=torch.optim.AdamW failed: TypeError: AdamW.__init__() got an "
-                          "unexpected keyword argument 'nope'")], ids=["data argument", "model target", "optimizer argument"])
+                          "unexpected keyword argument 'nope'"),
+    ("data.dtype=nope", "data._target_=jobs.toy.ToyRegression failed: AttributeError: module 'torch' has no attribute "
+                        "'nope'")], ids=["data argument", "model target", "optimizer argument", "fault in the job"])
 def test_what_only_the_job_can_tell_is_one_line_from_the_workers(tmp_path: Path, override: str, expected: str) -> None:
-    """Hydra's error ends in `full_key: data`, which was all of the launcher's line."""
+    """Hydra's error ends in `full_key: data`, which was all of the launcher's line. Above it every rank printed
+    its traceback (about 100 lines for 2 ranks), which for a config mistake says nothing more; a fault in the
+    job's own code keeps it, from rank 0 only: where in the code."""
     out = run_cli("+exp=toy", override, f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)
     assert out.returncode == 1
     line = out.stderr.strip().splitlines()[-1]
     assert line.startswith("error: rank ") and f"failed: ValueError: {expected}" in line, line
+    if override == "data.dtype=nope":  # one traceback, through the job's line
+        assert out.stderr.count('jobs/toy.py", line') == 1, out.stderr
+    else:
+        assert "Traceback" not in out.stderr, out.stderr
 
 
 class WithoutEvalSums:

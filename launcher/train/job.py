@@ -2,10 +2,12 @@
 becomes one line naming the config group, and a task checked for what the launcher calls on it.
 
 Hydra's own error ends in `full_key: data`, and the launcher shows the last line of a rank's error: that line
-alone named neither the target nor what went wrong. Exercised by: tests/test_bad_input.py.
+alone named neither the target nor what went wrong. Every rank builds the same, so a worker prints no traceback of
+it (rank 0 does, for a fault in the job's own code: `one_line` false). Exercised by: tests/test_bad_input.py.
 """
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from hydra.errors import InstantiationException
@@ -25,10 +27,22 @@ def build_part(group: str, section: DictConfig, **kwargs: Any) -> Any:
     except InstantiationException as error:
         cause = error.__cause__ or error
         what = " ".join(line.strip() for line in str(cause).splitlines() if line.strip())[:300]
-        hint = (f"; the keys of {group}.* are its arguments (--cfg job shows them)"
-                if isinstance(cause, TypeError) else "")
-        raise ValueError(f"{group}._target_={section.get('_target_')} failed: {type(cause).__name__}: "
-                         f"{what}{hint}") from error
+        by_hydra = _raised_in_hydra(cause)  # an argument the target does not take, a target that does not import
+        hint = f"; the keys of {group}.* are its arguments (--cfg job shows them)" if by_hydra and isinstance(
+            cause, TypeError) else ""
+        failure = ValueError(f"{group}._target_={section.get('_target_')} failed: {type(cause).__name__}: {what}{hint}")
+        # The line says all for a config mistake or a job's ValueError about its input; a fault in the job's own
+        # code keeps its traceback, which says where
+        failure.one_line = by_hydra or isinstance(cause, ValueError)
+        raise failure from error
+
+
+def _raised_in_hydra(error: BaseException) -> bool:
+    """Whether Hydra's own code raised `error` (its innermost frame), not the target's code it called."""
+    tb = error.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    return tb is not None and f"{os.sep}hydra{os.sep}" in tb.tb_frame.f_code.co_filename
 
 
 def check_task(task: Any, target: str) -> None:
@@ -37,5 +51,7 @@ def check_task(task: Any, target: str) -> None:
     needed = TASK_PARTS + (EVAL_PARTS if getattr(task, "eval_set", None) is not None else ())
     missing = [name for name in needed if not hasattr(task, name)]
     if missing:
-        raise ValueError(f"data._target_={target} built a {type(task).__name__} without {', '.join(missing)}: a "
-                         f"task has what launcher/task.py's Task lists (the eval parts only with an eval_set)")
+        failure = ValueError(f"data._target_={target} built a {type(task).__name__} without {', '.join(missing)}: a "
+                             f"task has what launcher/task.py's Task lists (the eval parts only with an eval_set)")
+        failure.one_line = True
+        raise failure

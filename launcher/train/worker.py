@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -206,4 +207,12 @@ def build_and_train(cfg: DictConfig, path: Path, env: launcher_dist.DistEnv, sto
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    try:
+        main(sys.argv[1])
+    except ValueError as error:
+        one_line = getattr(error, "one_line", None)  # a failure to build the job (launcher/train/job.py)
+        if one_line is None:
+            raise
+        if not one_line and os.environ.get("RANK") == "0":  # a fault in the job's code: where, once (every rank
+            traceback.print_exc()                              # builds the same)
+        sys.exit(1)  # @record keeps the error for the launcher's one line
