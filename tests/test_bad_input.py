@@ -127,6 +127,11 @@ CASES = {  # name: (overrides, or a function of tmp_path giving them; what the l
     "slurm zero nodes": (["+exp=toy", "launcher=slurm", "launcher.nodes=0"], "launcher.nodes=0 must be > 0"),
     "slurm negative timeout": (["+exp=toy", "launcher=slurm", "launcher.timeout_min=-5"],
                                "launcher.timeout_min=-5 must be > 0"),
+    "slurm warning before the job starts": (["+exp=toy", "launcher=slurm", "launcher.timeout_min=2"],
+                                            "launcher.signal_delay_s=120 is not below launcher.timeout_min=2 minutes"),
+    "slurm requeue on scancel's signal": (["+exp=toy", "launcher=slurm", "launcher.signal=TERM"],
+                                          "launcher.signal=TERM on Slurm cannot tell the time limit's warning from a "
+                                          "scancel"),
     "run dir cannot be made": (["+exp=toy", "hydra.run.dir=/etc/passwd/run"], "hydra.run.dir"),
     "unreadable run dir": (lambda tmp: ["+exp=toy", f"hydra.run.dir={make_run_dir_with_corrupt_config(tmp)}"],
                            "config.yaml cannot be read"),

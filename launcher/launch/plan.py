@@ -53,6 +53,16 @@ def _shape(cfg: DictConfig) -> tuple[int, int, int, str]:
         for key in ("launcher.gpus_per_node", "launcher.max_requeues", "launcher.signal_delay_s"):
             if OmegaConf.select(cfg, key) < 0:
                 raise ConfigError(f"{key}={OmegaConf.select(cfg, key)} must be >= 0")
+        if launcher.signal_delay_s >= launcher.timeout_min * 60:  # the warning would come before the job started
+            raise ConfigError(f"launcher.signal_delay_s={launcher.signal_delay_s} is not below launcher.timeout_min="
+                              f"{launcher.timeout_min} minutes: Slurm would send launcher.signal as the job starts, "
+                              f"which ends it before the workers run; lower launcher.signal_delay_s or raise "
+                              f"launcher.timeout_min")
+        # scancel and Slurm's own requeue send SIGTERM (and srun's Ctrl-C SIGINT): a job that requeued itself on it
+        # could not be cancelled, so only launcher.signal, Slurm's warning before the time limit, requeues
+        if signal_named(launcher.signal) in (signal.SIGTERM, signal.SIGINT):
+            raise ConfigError(f"launcher.signal={launcher.signal} on Slurm cannot tell the time limit's warning "
+                              f"from a scancel, so the job would not requeue itself; use USR2 (the default) or USR1")
         gpus = launcher.gpus_per_node
         if device == "cuda" and not gpus:
             raise ConfigError("launcher.device=cuda but launcher.gpus_per_node=0 asks Slurm for no GPU; "
