@@ -10,7 +10,7 @@ from launcher.preempt import keep_early_signals
 keep_early_signals()  # first, before the imports of seconds below
 from launcher.launch.cli import main  # noqa: E402
 from launcher.launch.errors import hydra_errors_in_one_line  # noqa: E402
-from launcher.launch.slurm import submit_queued  # noqa: E402
+from launcher.launch.slurm_submit import discard_queued, submit_queued  # noqa: E402
 from launcher.launch.tracker_start import end_sweeps  # noqa: E402
 
 failed = True
@@ -20,5 +20,6 @@ try:
     code = submit_queued()
     failed = code != 0
 finally:
+    discard_queued()  # a sweep point's error, or sbatch's refusal: nothing half-made of what was not submitted
     end_sweeps(failed)  # a -m sweep's parent tracker run ends once its points ran or were submitted
 sys.exit(code)

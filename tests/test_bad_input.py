@@ -204,3 +204,13 @@ def test_a_task_without_a_part_the_launcher_calls_fails_before_the_first_step() 
     task = WithoutEvalSums()
     task.eval_set = None
     check_task(task, "my.Task")  # no eval set: no eval parts needed
+
+
+def test_a_slurm_sweep_point_refused_at_launch_leaves_no_point_behind(tmp_path: Path) -> None:
+    """train.micro_batch_size=7 does not divide: the point before it was written and queued, then neither
+    submitted nor removed (its run dir listed by status as a run)."""
+    sweep = tmp_path / "sweep"
+    out = run_cli("-m", "+exp=toy", "launcher=slurm", "train.global_batch_size=16", "train.micro_batch_size=8,7",
+                  f"hydra.sweep.dir={sweep}", cwd=tmp_path)
+    assert out.returncode == 2 and "train.micro_batch_size=7" in out.stderr, out.stderr
+    assert "submitted job" not in out.stdout and not sweep.exists()

@@ -80,7 +80,7 @@ def test_slurm_jobs_are_requeueable_unless_the_user_says_otherwise(given: str | 
     """sbatch --requeue by default (a site's JobRequeue=0 would make the job's own requeue fail: test_slurm.py
     runs on such a cluster); the user's own requeue choice in launcher.additional_parameters, either spelling, wins,
     and requeue=false becomes --no-requeue (sbatch refuses --requeue=False)."""
-    from launcher.launch.slurm import executor_parameters
+    from launcher.launch.slurm_submit import executor_parameters
     own = [f"+launcher.additional_parameters.{given}"] if given else []
     cfg = compose_config("+exp=toy", "launcher=slurm", *own)
     params = executor_parameters(OmegaConf.to_container(cfg.launcher), make_plan(cfg), "toy")

@@ -180,7 +180,7 @@ def test_preempted_or_requeued_job_resumes_in_the_same_run_dir(cluster, tmp_path
     assert proc.returncode == 0, out[-2000:] + err[-3000:]
     log = "".join(p.read_text() for p in (run_dir / "slurm").glob("*_log.out"))
     if how == "signal":
-        assert json.loads((run_dir / "requeues.json").read_text()) == {"count": 1}
+        assert json.loads((run_dir / "requeues.json").read_text()) == {"job_id": job, "count": 1}
         assert "preempted by signal 12: checkpoint saved at step" in log
     assert re.search(r"resumed from step (\d+)", log)
     assert final_state(job) == "COMPLETED"
@@ -211,18 +211,10 @@ def test_out_of_memory_past_a_redo_requeues_the_job_at_half_the_micro_batch(clus
     assert "(a launcher=slurm job requeues itself)" in log
     requeued = f"requeued: ran out of memory; job {job} resumes in {run_dir} (requeue 1 of launcher.max_requeues=3)"
     assert log.count(requeued) == 1 and "resumed from step 8" in log
-    assert json.loads((run_dir / "requeues.json").read_text()) == {"count": 1}
+    assert json.loads((run_dir / "requeues.json").read_text()) == {"job_id": job, "count": 1}
     sizes = {m["step"]: m["micro_batch_size"] for m in read_metrics(run_dir) if "loss" in m}
     assert sizes == {step: 4 if step <= 8 else 2 for step in range(1, 13)}
     assert_same_float64_weights(run_dir, reference, 12)
-
-
-def test_one_node_claims_the_requeue_of_an_attempt(tmp_path: Path) -> None:
-    """Several nodes can run out of memory in one attempt (in eval, every rank alike): one requeues it, so the
-    count in requeues.json goes up by one and no second `scontrol requeue` fails. The next attempt has its own."""
-    from launcher.launch.slurm import first_to_requeue
-    assert [first_to_requeue(tmp_path, "17_3", 0) for _ in range(3)] == [True, False, False]
-    assert first_to_requeue(tmp_path, "17_3", 1) and first_to_requeue(tmp_path, "18", 0)
 
 
 def test_dry_run_prints_the_plan_and_submits_nothing(cluster, tmp_path: Path) -> None:
@@ -268,19 +260,41 @@ def test_launcher_after_starts_a_job_once_the_named_run_completed(cluster, tmp_p
 
 def test_a_job_whose_run_dir_is_in_use_when_it_starts_trains_nothing(cluster, tmp_path: Path) -> None:
     """The job takes its run dir's lock on its first node, as a local launch does: one that finds it taken (here
-    by this test, standing in for a launch that started while the job waited, its squeue unanswered) fails
-    with who holds it, and writes no step."""
+    by this test, standing in for a launch that started while the job waited, its squeue unanswered) fails with
+    who holds it, and writes no step; its second node leaves the rendezvous after launcher.rdzv_timeout_s."""
     blocker = subprocess.run(["sbatch", "--parsable", "--wrap", "sleep 3", "-o", "/dev/null"], capture_output=True,
                              text=True, check=True).stdout.strip()
     run_dir = tmp_path / "run"
-    out = run_cli(*TOY, "launcher=slurm", f"launcher.dependency=afterok:{blocker}", f"hydra.run.dir={run_dir}",
-                  cwd=tmp_path)
+    out = run_cli(*TOY, "launcher=slurm", "launcher.nodes=2", "launcher.rdzv_timeout_s=10",
+                  f"launcher.dependency=afterok:{blocker}", f"hydra.run.dir={run_dir}", cwd=tmp_path)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     ((job, _),) = submitted(out.stdout).items()
     with launch_lock(run_dir) as holder:
         assert holder is None
         assert final_state(job, timeout_s=120) == "FAILED"
     log = "".join(p.read_text() for p in sorted((run_dir / "slurm").glob("*_log.*")))
+    assert "(launcher.rdzv_timeout_s=10); another node of the job failed before its agent started" in log, log[-3000:]
     assert re.search(rf"run dir {run_dir}: a launch \(pid {os.getpid()} on \S+ since \S+\) runs there; job {job} "
                      rf"starts nothing", log), log[-3000:]
     assert not (run_dir / "metrics.jsonl").exists() and lock_holder(run_dir) is None
+    # A run to follow it: afterok holds while Slurm remembers the failed job (MinJobAge), then let the next start
+    after = run_cli(*TOY, "launcher=slurm", f"launcher.after={run_dir}", f"hydra.run.dir={tmp_path / 'next'}",
+                    cwd=tmp_path)
+    assert after.returncode == 2 and after.stderr.strip().splitlines() == [
+        f"error: launcher.after={run_dir}: its job {job} ended FAILED before the run finished; resubmit it "
+        f"(hydra.run.dir={run_dir}), then this run with launcher.after again"], after.stderr
+    assert not (tmp_path / "next").exists()
+
+
+def test_what_sbatch_refuses_is_one_line_and_leaves_nothing(cluster, tmp_path: Path) -> None:
+    """A partition the cluster has not: a traceback (exit 1) left the run dir and a RUNNING MLflow run behind."""
+    from test_tracking import store
+    out = run_cli(*TOY, "launcher=slurm", "launcher.partition=nope", "logger=[mlflow]",
+                  f"hydra.run.dir={tmp_path / 'runs' / 'run'}", cwd=tmp_path)
+    assert out.returncode == 2 and out.stderr.strip().splitlines() == [
+        "error: sbatch refused the job: invalid partition specified: nope; Batch job submission failed: Invalid "
+        "partition name specified (launcher.partition=nope, launcher.nodes=1, launcher.timeout_min=60); check them "
+        "against the cluster (sinfo, sacctmgr show assoc)"], out.stderr
+    assert not (tmp_path / "runs" / "run").exists()
+    (run,) = store(tmp_path).search_runs([store(tmp_path).get_experiment_by_name("toy").experiment_id])
+    assert run.info.status == "FAILED"

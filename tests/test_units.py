@@ -1,9 +1,11 @@
 """In-process unit tests: batch math, the data plan and its loader, the schedule (PITFALLS #15 #16, issue 2)."""
 from __future__ import annotations
 
+import json
 import os
 import random
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -209,3 +211,23 @@ def test_a_dropped_step_attempt_is_not_compute_of_the_straggler_interval() -> No
         timer.stop()
     timer.drop_last()
     assert 0.02 <= timer.host_s < 0.2
+
+
+def test_one_node_claims_the_requeue_of_an_attempt(tmp_path: Path) -> None:
+    """Several nodes can run out of memory in one attempt (in eval, every rank alike): one requeues it, so the
+    count in requeues.json goes up by one and no second `scontrol requeue` fails. The next attempt has its own."""
+    from launcher.launch.slurm import first_to_requeue
+
+    assert [first_to_requeue(tmp_path, "17_3", 0) for _ in range(3)] == [True, False, False]
+    assert first_to_requeue(tmp_path, "17_3", 1) and first_to_requeue(tmp_path, "18", 0)
+
+
+def test_max_requeues_counts_per_submitted_job(tmp_path: Path) -> None:
+    """A run dir resubmitted after its job used up launcher.max_requeues: the new job may requeue itself again (it
+    failed at its first preemption)."""
+    from launcher.launch.slurm import REQUEUES_FILE, requeues_so_far
+
+    (tmp_path / REQUEUES_FILE).write_text(json.dumps({"job_id": "12", "count": 3}))
+    assert requeues_so_far(tmp_path, "12") == 3 and requeues_so_far(tmp_path, "29") == 0
+    (tmp_path / REQUEUES_FILE).write_text(json.dumps({"count": 3}))  # written before the job's id was in it
+    assert requeues_so_far(tmp_path, "29") == 0

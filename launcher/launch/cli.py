@@ -25,7 +25,8 @@ from launcher.launch.local import local_rendezvous, run_local, torchrun_args
 from launcher.launch.plan import Plan, make_plan, resolve, write_config
 from launcher.launch.resume import check_resume, finished
 from launcher.launch.run_lock import LOCK_FILE, launch_lock
-from launcher.launch.slurm import active_job, dependency, queue
+from launcher.launch.slurm import active_job
+from launcher.launch.slurm_submit import dependency, queue
 from launcher.launch.tracker_start import hydra_point, mark_failed, start_trackers
 from launcher.preempt import REQUEUE_EXIT_CODE, read_preempted, release_early_signals
 from launcher.redact import redact_override
@@ -102,12 +103,13 @@ def launch(cfg: DictConfig, run_dir: Path) -> None:
         print(f"error: {err}", file=sys.stderr)
         discard_if_fresh(run_dir)
         sys.exit(2)
+    new = not (run_dir / "config.yaml").exists()  # no run in it before: a Slurm submission that fails removes it
     config_path = write_config(run_dir, config)
     write_launch_record(run_dir, plan)
     if trackers:  # every start of the workers (relaunch, restart, requeue) reopens these tracker runs
         write_record(run_dir, trackers)
     if cfg.launcher.name == "slurm":  # submitted by __main__ once Hydra has run every sweep point
-        queue(run_dir, config_path, plan, cfg.launcher, point.sweep_dir)
+        queue(run_dir, config_path, plan, cfg.launcher, point.sweep_dir, new)
         return
     resuming = "" if resume_step is None else f" | resuming (latest checkpoint: step {resume_step})"
     print(f"run dir {run_dir} | {plan.world_size} worker(s) on {plan.device_type} | "

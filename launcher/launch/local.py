@@ -149,9 +149,10 @@ def run_agent(config_path: Path, plan: Plan, launcher: DictConfig, rendezvous: l
             write_preempted(run_dir, (complete_steps(run_dir) or [0])[-1], err.sigval, saved=False, started=started)
     except (RendezvousError, DistStoreError, DistNetworkError) as err:  # nobody serves the endpoint, nodes missing
         why = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        fix = ("another node of the job failed before its agent started: see the job's other logs" if
+               launcher.name == "slurm" else "start the same command on every node, with an endpoint they all reach")
         print(f"error: the rendezvous of {plan.nnodes} nodes at {rendezvous_endpoint(rendezvous)} failed: {why} "
-              f"(launcher.rdzv_timeout_s={launcher.rdzv_timeout_s}); start the same command on every node, with an "
-              f"endpoint they all reach", file=sys.stderr)
+              f"(launcher.rdzv_timeout_s={launcher.rdzv_timeout_s}); {fix}", file=sys.stderr)
         return 1
     except ChildFailedError as err:
         rank, failure = err.get_first_failure()

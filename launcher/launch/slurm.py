@@ -1,5 +1,5 @@
-"""Slurm through submitit: one task per node runs torchrun's agent for that node's workers, and every run
-of a Hydra `-m` sweep is submitted together as one job array.
+"""Slurm's side of a job: what each node's task runs (torchrun's agent for that node's workers), its requeue,
+and the jobs' states. launcher/launch/slurm_submit.py submits the runs.
 
 Exercised by: `python -m launcher +exp=toy launcher=slurm` and tests/test_slurm.py (a real cluster).
 """
@@ -8,40 +8,23 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import re
 import signal
 import subprocess
 import sys
 from contextlib import nullcontext
-from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Any
 
 import submitit
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import OmegaConf
 
-from launcher.derived import ConfigError
 from launcher.launch.environment import record_slurm_job
-from launcher.launch.local import c10d_rendezvous, run_agent, torchrun_args
+from launcher.launch.local import c10d_rendezvous, run_agent
 from launcher.launch.plan import Plan
 from launcher.launch.run_lock import launch_lock
-from launcher.preempt import (OUT_OF_MEMORY_EXIT_CODE, PREEMPTED_FILE, REQUEUE_EXIT_CODE, read_preempted,
-                              signal_named)
+from launcher.preempt import OUT_OF_MEMORY_EXIT_CODE, PREEMPTED_FILE, REQUEUE_EXIT_CODE, read_preempted
 
 REQUEUES_FILE = "requeues.json"  # how often the job requeued itself (preempted, out of memory); launcher.max_requeues
 JOB_FILE = "slurm.json"  # the job id and log dir, for `python -m launcher.launch.status`
-
-
-@dataclass
-class Submission:
-    run_dir: Path
-    config_path: Path
-    plan: Plan
-    launcher: dict[str, Any]
-    sweep_dir: Path | None  # -m: the sweep's dir (its points may be fewer than the sweep's: the finished are not)
-
-
-QUEUE: list[Submission] = []  # filled by the Hydra task for each run; submitted once Hydra is done
 # A job in these states still runs in its run dir, or will: a second one there would train beside it
 ACTIVE = {"PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "RESIZING",
           "SUSPENDED", "SIGNALING", "STAGE_OUT", "STOPPED"}
@@ -86,69 +69,12 @@ def active_job(run_dir: Path) -> str | None:
     return f"job {job_id} is {state}" if state in ACTIVE else None
 
 
-def queue(run_dir: Path, config_path: Path, plan: Plan, launcher: DictConfig, sweep_dir: Path | None) -> None:
-    QUEUE.append(Submission(run_dir, config_path, plan, OmegaConf.to_container(launcher, enum_to_str=True), sweep_dir))
-
-
 def rendezvous_port(job_id: str, restart: int) -> int:
     """A port per job and per requeue, so that jobs sharing a node do not clash (no fixed 29500): a hash of the
     whole id (its digits alone made array tasks 1_23 and 12_3 one port), below Linux's ephemeral range
     (32768 on), whose outgoing connections could hold it."""
     digest = hashlib.sha256(f"{job_id}-{restart}".encode()).digest()
     return 20000 + int.from_bytes(digest[:4], "big") % 12768
-
-
-DEPENDENCY = re.compile(r"^(singleton|(after|afterok|afternotok|afterany|aftercorr|afterburstbuffer)(:\d+(_\d+)?"
-                        r"(\+\d+)?)+)([,?](singleton|(after|afterok|afternotok|afterany|aftercorr)(:\d+(_\d+)?(\+\d+)?)+))*$")
-
-
-def dependency(launcher: dict[str, Any]) -> str | None:
-    """sbatch's --dependency from launcher.dependency and launcher.after (the job of that run dir must
-    complete first), or ConfigError naming the key."""
-    parts = []
-    if launcher["dependency"]:
-        if not DEPENDENCY.match(launcher["dependency"]):
-            raise ConfigError(f"launcher.dependency={launcher['dependency']} is not an sbatch dependency; e.g. "
-                              f"afterok:1234, afterany:1234:1235 or singleton")
-        parts.append(launcher["dependency"])
-    if launcher["after"]:
-        job_id = recorded_job(Path(launcher["after"]))
-        if job_id is None:
-            raise ConfigError(f"launcher.after={launcher['after']} holds no {JOB_FILE}: name the run dir of a run "
-                              f"submitted with launcher=slurm")
-        parts.append(f"afterok:{job_id}")
-    return ",".join(parts) or None
-
-
-def executor_parameters(launcher: dict[str, Any], plan: Plan, job_name: str) -> dict[str, Any]:
-    """submitit.SlurmExecutor parameters: one task per node, which starts the node's workers itself."""
-    extra = dict(launcher["additional_parameters"])
-    # Requeue=1 whatever the site's default: with JobRequeue=0 a job's `scontrol requeue` of itself (after the
-    # preemption warning, or running out of memory) fails, "Requested operation is presently disabled".
-    # Slurm then also requeues the job after a node failure; it resumes from the latest checkpoint.
-    if extra.get("requeue") is False:  # submitit would write --requeue=False, which sbatch refuses
-        del extra["requeue"]
-        extra["no_requeue"] = True
-    if not {"requeue", "no_requeue", "no-requeue"} & set(extra):  # the user's own choice, either spelling
-        extra["requeue"] = True
-    after = dependency(launcher)
-    if after:  # a job whose dependency can never be met (the first job failed) is cancelled, not left pending
-        extra.update({"dependency": after, "kill_on_invalid_dep": "yes"})
-    preempt_signal = signal_named(launcher["signal"])
-    if preempt_signal != signal.SIGUSR2:  # submitit writes --signal=USR2@delay; another signal replaces it
-        extra["signal"] = f"{preempt_signal.name.removeprefix('SIG')}@{launcher['signal_delay_s']}"
-    params = {"job_name": job_name, "nodes": plan.nnodes, "ntasks_per_node": 1,
-              "cpus_per_task": launcher["cpus_per_task"] or plan.nproc_per_node, "time": launcher["timeout_min"],
-              "signal_delay_s": launcher["signal_delay_s"], "array_parallelism": launcher["array_parallelism"],
-              "setup": list(launcher["setup"]), "additional_parameters": extra, "stderr_to_stdout": True}
-    if launcher["gpus_per_node"]:
-        params["gpus_per_node"] = launcher["gpus_per_node"]
-    if launcher["mem_gb"]:
-        params["mem"] = f"{launcher['mem_gb']}GB"
-    if launcher["exclusive"]:
-        params["exclusive"] = True
-    params.update({key: launcher[key] for key in ("partition", "account", "qos", "constraint") if launcher[key]})
-    return params
 
 
 class NodeTask(submitit.helpers.Checkpointable):
@@ -176,7 +102,9 @@ class NodeTask(submitit.helpers.Checkpointable):
                 record_slurm_job(run_dir)  # job id, node list, requeue count: for a bug report
             # The first node's address, not its name: names need not resolve (emulated nodes, some clusters).
             host = os.environ.get("SLURM_LAUNCH_NODE_IPADDR") or env.hostnames[0]
-            rendezvous = c10d_rendezvous(f"{host}:{rendezvous_port(env.job_id, restart)}", f"{env.job_id}-{restart}")
+            rendezvous = [*c10d_rendezvous(f"{host}:{rendezvous_port(env.job_id, restart)}", f"{env.job_id}-{restart}"),
+                          # a node that fails before its agent starts ends the others' wait after this, not 600 s
+                          f"--rdzv-conf=join_timeout={cfg.launcher.rdzv_timeout_s},read_timeout={cfg.launcher.rdzv_timeout_s}"]
             code = run_agent(config_path, Plan(**cfg.plan), cfg.launcher, rendezvous)
         if code in (REQUEUE_EXIT_CODE, OUT_OF_MEMORY_EXIT_CODE):
             # After the agent, SIGTERM has submitit's handler again, which ignores it: the SIGTERM of Slurm's
@@ -211,79 +139,24 @@ def first_to_requeue(folder: Path, job_id: str, restart: int) -> bool:
 
 def requeue(run_dir: Path, job_id: str, max_requeues: int, why: str) -> None:
     """Put the job (the same array task) back in the queue; it resumes in the same run dir."""
-    path = run_dir / REQUEUES_FILE
-    count = json.loads(path.read_text())["count"] if path.exists() else 0
+    count = requeues_so_far(run_dir, job_id)
     if count >= max_requeues:
         raise RuntimeError(f"{why} after {count} requeues (launcher.max_requeues={max_requeues}); the checkpoint "
                            f"is kept: resubmit with hydra.run.dir={run_dir}")
-    path.write_text(json.dumps({"count": count + 1}) + "\n")
+    # counted first: Slurm's requeue sends this task the SIGTERM that ends it
+    (run_dir / REQUEUES_FILE).write_text(json.dumps({"job_id": job_id, "count": count + 1}) + "\n")
     print(f"requeued: {why}; job {job_id} resumes in {run_dir} (requeue {count + 1} of launcher.max_requeues="
           f"{max_requeues})", file=sys.stderr, flush=True)
     subprocess.check_call(["scontrol", "requeue", job_id], timeout=60)
 
 
-def _same_submission(runs: list[Submission]) -> None:
-    """A job array shares one set of executor parameters: every sweep point must agree on them."""
-    first = runs[0]
-    for run in runs[1:]:
-        for key, value in first.launcher.items():
-            if run.launcher[key] != value:
-                raise ConfigError(f"launcher.{key} differs between sweep points ({value} vs {run.launcher[key]});"
-                                  f" one job array needs one value")
-        # Accumulation may differ (each task reads its own config.yaml); the job's shape may not
-        if replace(run.plan, grad_accum_steps=None) != replace(first.plan, grad_accum_steps=None):
-            raise ConfigError("the sweep points need different world sizes or node counts; one job array "
-                              "needs one shape (sweep launcher.nodes/gpus_per_node in separate launches)")
-
-
-def submit_queued() -> int:
-    """Submit what the Hydra task queued: one job, or one array for a sweep. Returns the exit code."""
-    if not QUEUE:
-        return 0
-    runs = list(QUEUE)
-    QUEUE.clear()
+def requeues_so_far(run_dir: Path, job_id: str) -> int:
+    """How often this job requeued itself: launcher.max_requeues counts per submitted job (a resubmission of the
+    run dir starts at 0; it could otherwise never requeue again)."""
     try:
-        _same_submission(runs)
-    except ConfigError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    launcher, plan = runs[0].launcher, runs[0].plan
-    common = runs[0].sweep_dir or runs[0].run_dir
-    folder = Path(launcher["log_dir"] or common / "slurm")
-    params = executor_parameters(launcher, plan, job_name=OmegaConf.load(runs[0].config_path).name)
-    if launcher["dry_run"]:
-        print_plan(runs, params, folder)
+        record = json.loads((run_dir / REQUEUES_FILE).read_text())
+    except (OSError, ValueError):
         return 0
-    executor = submitit.SlurmExecutor(folder=folder)
-    executor.update_parameters(**params)
-    with executor.batch():  # several submissions in a batch become one job array
-        jobs = [executor.submit(NodeTask(str(run.config_path))) for run in runs]
-    for job, run in zip(jobs, runs):
-        (run.run_dir / JOB_FILE).write_text(json.dumps({"job_id": job.job_id, "log_dir": str(folder)}) + "\n")
-        print(f"submitted job {job.job_id}: run dir {run.run_dir}", flush=True)
-    print(f"status: python -m launcher.launch.status {common}", flush=True)
-    return wait_for(jobs, runs) if launcher["wait"] else 0
+    return record["count"] if record.get("job_id") == job_id else 0
 
 
-def wait_for(jobs: list[submitit.Job], runs: list[Submission]) -> int:
-    failed = 0
-    for job, run in zip(jobs, runs):
-        try:
-            job.results()
-        except Exception:  # a raising task ends FAILED in Slurm, and fails the wait here
-            failed += 1
-            print(f"error: job {job.job_id} failed: run dir {run.run_dir}, log {job.paths.stdout}", file=sys.stderr)
-    return 1 if failed else 0
-
-
-def print_plan(runs: list[Submission], params: dict[str, Any], folder: Path) -> None:
-    """launcher.dry_run=true: what would be submitted, and nothing submitted."""
-    print(f"dry run: would submit {'a job array of ' + str(len(runs)) if len(runs) > 1 else 'one job'} "
-          f"with submitit.SlurmExecutor(folder={folder})")
-    print("executor parameters: " + json.dumps(params, sort_keys=True))
-    for run in runs:
-        cfg = OmegaConf.load(run.config_path)
-        rendezvous = c10d_rendezvous("<first node address>:<port from the job id>", "<job id>-<requeue count>")
-        args = torchrun_args(run.config_path, run.plan, cfg.launcher, rendezvous)
-        print(f"run dir {run.run_dir}: {asdict(run.plan)}")
-        print(f"  on each of {run.plan.nnodes} node(s): python -m torch.distributed.run {' '.join(args)}")
