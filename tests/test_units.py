@@ -231,3 +231,13 @@ def test_max_requeues_counts_per_submitted_job(tmp_path: Path) -> None:
     assert requeues_so_far(tmp_path, "12") == 3 and requeues_so_far(tmp_path, "29") == 0
     (tmp_path / REQUEUES_FILE).write_text(json.dumps({"count": 3}))  # written before the job's id was in it
     assert requeues_so_far(tmp_path, "29") == 0
+
+
+def test_a_ranks_error_is_told_by_its_line_that_says_what_failed() -> None:
+    """OmegaConf's errors end in indented details: the launcher's line said `object_type=dict` and nothing else."""
+    from launcher.launch.local import last_line
+
+    omegaconf = "ConfigAttributeError: Missing key checkpoint_timeout_s\n    full_key: dist.x\n    object_type=dict"
+    assert last_line(omegaconf) == "ConfigAttributeError: Missing key checkpoint_timeout_s"
+    assert last_line("ValueError: one line") == "ValueError: one line"
+    assert last_line("RuntimeError: first\nsecond") == "second"

@@ -78,6 +78,13 @@ def summary_stamp(run_dir: Path) -> int | None:
         return None
 
 
+def last_line(message: str) -> str:
+    """The line of a rank's error that says what failed: the last one not indented (OmegaConf's errors end in
+    indented `full_key: ...` and `object_type=dict` lines, which alone say nothing)."""
+    lines = [line for line in message.strip().splitlines() if line.strip()] or [message]
+    return next((line for line in reversed(lines) if not line[:1].isspace()), lines[-1]).strip()
+
+
 def rendezvous_endpoint(rendezvous: list[str]) -> str:
     return next((arg.split("=", 1)[1] for arg in rendezvous if arg.startswith("--rdzv-endpoint=")), "localhost")
 
@@ -161,7 +168,7 @@ def run_agent(config_path: Path, plan: Plan, launcher: DictConfig, rendezvous: l
             message = failure.message  # from the worker's error file: a dict, or a plain string
             if isinstance(message, dict):
                 message = message.get("message", "")
-            reason = str(message).strip().splitlines()[-1] if message else f"exit code {failure.exitcode}"
+            reason = last_line(str(message)) if message else f"exit code {failure.exitcode}"
             hung = hang_summary(run_dir)
             print(f"error: rank {rank} failed: {reason} (run dir {run_dir}){'; ' + hung if hung else ''}",
                   file=sys.stderr)
