@@ -27,7 +27,6 @@ from launcher.launch.plan import Plan
 from launcher.launch.slurm import ACTIVE, JOB_FILE, NodeTask, recorded_job, slurm_state
 from launcher.launch.tracker_start import mark_failed
 from launcher.preempt import signal_named
-from launcher.rundir import SUMMARY_FILE
 
 
 @dataclass
@@ -72,13 +71,13 @@ def dependency(launcher: dict[str, Any]) -> str | None:
             raise ConfigError(f"launcher.after={after} holds no {JOB_FILE}: name the run dir of a run submitted with "
                               f"launcher=slurm")
         state = slurm_state(job_id)
-        if state in ACTIVE:
-            parts.append(f"afterok:{job_id}")
-        # Ended: Slurm's afterok would hold only while Slurm remembers the job (MinJobAge), and then let this one
-        # start from a run that never finished. Its state, or without accounting its summary, says how it ended.
-        elif state != "COMPLETED" and not (state == "UNKNOWN" and (after / SUMMARY_FILE).is_file()):
+        # Ended without completing: Slurm's afterok would hold only while Slurm remembers the job (MinJobAge), and
+        # then let this run start from one that never finished
+        if state not in ACTIVE | {"COMPLETED", "UNKNOWN"}:
             raise ConfigError(f"launcher.after={after}: its job {job_id} ended {state} before the run finished; "
                               f"resubmit it (hydra.run.dir={after}), then this run with launcher.after again")
+        if state != "COMPLETED":  # UNKNOWN: neither sacct nor squeue answered here; Slurm judges the id
+            parts.append(f"afterok:{job_id}")
     return ",".join(parts) or None
 
 
