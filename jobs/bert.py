@@ -17,7 +17,9 @@ from transformers import (AutoConfig, AutoModelForSequenceClassification, AutoTo
 
 from jobs.activation_checkpointing import checkpoint_activations
 from jobs.attention import hf_model, model_inputs, use_sdpa_unmasked
-from jobs.text import GLUE_FIELDS, corpus_lines, load_file_rows, load_hub_rows, sentiment_rows
+from jobs.labels import Labels
+from jobs.text import (GLUE_FIELDS, check_text, corpus_lines, load_file_rows, load_hub_rows, sentiment_rows,
+                       text_columns, text_file_rows)
 
 transformers.utils.logging.disable_progress_bar()
 if os.environ.get("RANK", "0") != "0":  # one load report is enough
@@ -89,6 +91,10 @@ def _masked_positions(labels: torch.Tensor) -> torch.Tensor:
 def masked_lm_model(pretrained: str, dtype: str = "float32", dropout: float | None = None,
                     activation_checkpointing: bool = False) -> torch.nn.Module:
     """BERT weights from a hub id or local dir; an MLM head is initialised when the dir has none."""
+    model_type = _from_pretrained(AutoConfig, pretrained).model_type
+    if model_type != "bert":  # BertForMaskedLM would load none of its weights and pre-train from random ones
+        raise ValueError(f"model.pretrained={pretrained} is a {model_type} model; model=bert_mlm pre-trains BERT only "
+                         f"(model_type bert, as bert-base-uncased): give a BERT checkpoint")
     model = _from_pretrained(BertMaskedLMSum, pretrained, **_config(pretrained, dropout))
     return checkpoint_activations(use_sdpa_unmasked(model), activation_checkpointing).to(getattr(torch, dtype))
 
@@ -98,11 +104,16 @@ def _fp32(logits: torch.Tensor) -> torch.Tensor:
     return logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
 
 
-def _save_pretrained_files(model: torch.nn.Module, tokenizer: Any, directory: Path) -> None:
+def _save_pretrained_files(model: torch.nn.Module, tokenizer: Any, directory: Path,
+                           labels: Labels | None = None) -> None:
     """config.json and the tokenizer beside a checkpoint's model.safetensors: from_pretrained loads it as any
-    save_pretrained dir. The architecture named is transformers' own class (BertMaskedLMSum's: BertForMaskedLM)."""
+    save_pretrained dir. The architecture named is transformers' own class (BertMaskedLMSum's: BertForMaskedLM);
+    a classifier's label names are its id2label (pipelines show them; a run from this checkpoint maps by them)."""
     hf = hf_model(model)
     config = copy.deepcopy(hf.config)
+    id2label = labels.id2label(config.num_labels) if labels else None
+    if id2label:
+        config.id2label, config.label2id = id2label, {name: i for i, name in id2label.items()}
     config.architectures = [next(c.__name__ for c in type(hf).__mro__ if c.__module__.startswith("transformers."))]
     # the weights' own dtype (model.dtype), as from_pretrained's dtype="auto" reads it (transformers 4: torch_dtype)
     setattr(config, "dtype" if hasattr(config, "dtype") else "torch_dtype", next(hf.parameters()).dtype)
@@ -121,6 +132,7 @@ def _longest(samples: list[dict], size: int) -> list[dict]:
 
 
 def _tokenize(tokenizer: Any, rows: list[dict[str, Any]], fields: list[str], max_length: int) -> list[dict]:
+    # str(): a column of numbers is text too (empty cells were refused by check_text)
     encoded = tokenizer(*[[str(row[f]) for row in rows] for f in fields], truncation=True,
                         max_length=max_length)
     return [{"id": i, **{k: encoded[k][i] for k in encoded}} for i in range(len(rows))]
@@ -133,38 +145,40 @@ class TextClassification:
 
     def __init__(self, tokenizer: str, source: str = "embedded", path: str | None = None,
                  eval_path: str | None = None, name: str | None = None, task: str | None = None,
-                 eval_split: str = "validation", text_fields: list[str] | None = None,
+                 eval_split: str = "validation", text_fields: str | list[str] | None = None,
                  label_field: str = "label", num_labels: int = 2, max_length: int = 128,
                  pad_to_multiple_of: int | None = None, n_train: int = 2000, n_eval: int = 501, seed: int = 0):
-        fields = list(text_fields or (GLUE_FIELDS.get(task or "", ["text"]) if source == "hub" else ["text"]))
+        fields = text_columns(text_fields, GLUE_FIELDS.get(task or "", ["text"]) if source == "hub" else ["text"])
         columns = fields + [label_field]
         if source == "embedded":
             train_rows, eval_rows = sentiment_rows(n_train, seed), sentiment_rows(n_eval, seed + 1)
+            wheres = ("the embedded train set", "the embedded eval set")
         elif source == "files":
             train_rows = load_file_rows(path or "", columns)
             eval_rows = load_file_rows(eval_path, columns, key="data.eval_path") if eval_path else []
+            wheres = (f"data.path={path}", f"data.eval_path={eval_path}")
         elif source == "hub":
             train_rows = load_hub_rows(name or "", task, "train", columns)
             eval_rows = load_hub_rows(name or "", task, eval_split, columns)
+            wheres = (f"data.name={name} data.task={task} (train)", f"data.name={name} data.task={task} ({eval_split})")
         else:
             raise ValueError(f"data.source={source} is not one of embedded, files, hub")
         self.num_labels = num_labels
-        names = sorted({row[label_field] for row in train_rows + eval_rows}, key=str)
-        as_int = {n: i for i, n in enumerate(names)} if any(isinstance(n, str) for n in names) else None
+        self.labels = Labels(tokenizer, train_rows, label_field, num_labels, wheres[0])
         self.tokenizer = AutoTokenizer.from_pretrained(tokenizer)
-        self.train_set = self._encode(train_rows, fields, label_field, as_int, max_length)
-        self.eval_set = self._encode(eval_rows, fields, label_field, as_int, max_length) or None
+        self.train_set = self._encode(train_rows, fields, label_field, wheres[0], max_length)
+        self.eval_set = self._encode(eval_rows, fields, label_field, wheres[1], max_length) or None
         self.pad = DataCollatorWithPadding(self.tokenizer, pad_to_multiple_of=pad_to_multiple_of,
                                            return_tensors="pt")
 
-    def _encode(self, rows: list[dict], fields: list[str], label_field: str, as_int: dict | None,
+    def _encode(self, rows: list[dict], fields: list[str], label_field: str, where: str,
                 max_length: int) -> list[dict]:
+        """Tokenized samples with their class ids; an empty cell or a label the model has no id for stops here,
+        naming the file and the row (counted from 1, after the header)."""
+        check_text(rows, fields, where, "data.text_fields")
+        labels = [self.labels.id(row[label_field], where, number) for number, row in enumerate(rows, 1)]
         samples = _tokenize(self.tokenizer, rows, fields, max_length) if rows else []
-        for sample, row in zip(samples, rows):
-            label = as_int[row[label_field]] if as_int else int(row[label_field])
-            if not 0 <= label < self.num_labels:
-                raise ValueError(f"label {row[label_field]!r} is outside data.num_labels={self.num_labels}; "
-                                 f"set data.num_labels to the number of classes")
+        for sample, label in zip(samples, labels):
             sample["labels"] = label
         return samples
 
@@ -178,7 +192,7 @@ class TextClassification:
         return self.collate(_longest(self.train_set, size))
 
     def write_model_files(self, model: torch.nn.Module, directory: Path) -> None:
-        _save_pretrained_files(model, self.tokenizer, directory)
+        _save_pretrained_files(model, self.tokenizer, directory, self.labels)
 
     def loss_sum(self, model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         logits = model(**model_inputs(model, batch)).logits
@@ -215,8 +229,8 @@ class MaskedLM:
         if source == "embedded":
             train_rows, eval_rows = corpus_lines(n_train, seed), corpus_lines(n_eval, seed + 1)
         elif source == "files":
-            train_rows = _text_file_rows(path or "", text_field, "data.path")
-            eval_rows = _text_file_rows(eval_path, text_field, "data.eval_path") if eval_path else []
+            train_rows = text_file_rows(path or "", text_field, "data.path")
+            eval_rows = text_file_rows(eval_path, text_field, "data.eval_path") if eval_path else []
         elif source == "hub":
             train_rows = load_hub_rows(name or "", task, "train", [text_field])
             eval_rows = load_hub_rows(name or "", task, eval_split, [text_field])
@@ -269,12 +283,3 @@ class MaskedLM:
     def eval_metrics(self, sums: dict[str, float]) -> dict[str, float]:
         count = max(sums["count"], 1)
         return {"loss": sums["loss_sum"] / count, "accuracy": sums["correct"] / count}
-
-
-def _text_file_rows(path: str, field: str, key: str) -> list[dict[str, Any]]:
-    """Plain .txt: one sample per non-empty line; other suffixes go through load_file_rows."""
-    if path.endswith(".txt"):
-        if not Path(path).is_file():
-            raise ValueError(f"{key}={path} does not exist; give a .txt, CSV, JSONL or Parquet file")
-        return [{field: line} for line in Path(path).read_text().splitlines() if line.strip()]
-    return load_file_rows(path, [field], key=key)

@@ -5,6 +5,7 @@ Rows are plain dicts (text fields + label). The embedded sets are generated dete
 """
 from __future__ import annotations
 
+import math
 import random
 from pathlib import Path
 from typing import Any
@@ -50,6 +51,40 @@ def corpus_lines(n: int, seed: int) -> list[dict[str, Any]]:
             for _ in range(n)]
 
 
+def is_missing(value: Any) -> bool:
+    """An empty cell: None from CSV/JSONL/Parquet, NaN where pandas wrote one."""
+    return value is None or (isinstance(value, float) and math.isnan(value))
+
+
+def text_columns(text_fields: str | list[str] | None, default: list[str]) -> list[str]:
+    """data.text_fields as a list: one column (a plain string is one, not its characters) or a pair."""
+    fields = [text_fields] if isinstance(text_fields, str) else list(text_fields or default)
+    if len(fields) > 2:  # the tokenizer's third positional argument is text_target: it would be dropped silently
+        raise ValueError(f"data.text_fields={fields} names {len(fields)} columns; the tokenizer takes a text or a "
+                         f"pair of texts: name one or two (join the others into one column)")
+    return fields
+
+
+def check_text(rows: list[dict[str, Any]], fields: list[str], where: str, key: str) -> None:
+    """Every row has its text (an empty cell would be tokenized as the word None)."""
+    for number, row in enumerate(rows, 1):
+        for field in fields:
+            if is_missing(row[field]):
+                raise ValueError(f"{where} row {number}: no text in column {field!r} ({key}); fill it in or drop "
+                                 f"the row")
+
+
+def _blank(file: Path) -> bool:
+    """Nothing but whitespace (read until the first byte that is not): a file datasets cannot read as empty."""
+    with open(file, "rb") as f:
+        return not any(chunk.strip() for chunk in iter(lambda: f.read(1 << 16), b""))
+
+
+def no_rows(key: str, path: str) -> ValueError:
+    unset = f", or set {key}=null" if key == "data.eval_path" else ""
+    return ValueError(f"{key}={path} has no rows; give a file with at least one sample{unset}")
+
+
 def _check_columns(rows: list[dict[str, Any]], fields: list[str], where: str, key: str) -> None:
     missing = [f for f in fields if rows and f not in rows[0]]
     if missing:
@@ -67,8 +102,31 @@ def load_file_rows(path: str, fields: list[str], key: str = "data.path") -> list
         raise ValueError(f"{key}={path} does not exist; give a CSV, JSONL or Parquet file")
     if file.suffix not in formats:
         raise ValueError(f"{key}={path} has suffix {file.suffix!r}; use one of {sorted(formats)}")
-    rows = load_dataset(formats[file.suffix], data_files=str(file), split="train").to_list()
+    if _blank(file):  # datasets: StopIteration (JSONL) or DatasetGenerationError (CSV)
+        raise no_rows(key, path)
+    try:
+        rows = load_dataset(formats[file.suffix], data_files=str(file), split="train").to_list()
+    except ValueError as err:  # a CSV header only: 'Instruction "train" corresponds to no data!', even for eval
+        if "corresponds to no data" not in str(err):
+            raise
+        rows = []
+    if not rows:
+        raise no_rows(key, path)
     _check_columns(rows, fields, str(file), "data.text_fields/data.label_field")
+    return rows
+
+
+def text_file_rows(path: str, field: str, key: str) -> list[dict[str, Any]]:
+    """Masked-LM text. Plain .txt: one sample per non-empty line; other suffixes go through load_file_rows."""
+    if not path.endswith(".txt"):
+        rows = load_file_rows(path, [field], key=key)
+    elif not Path(path).is_file():
+        raise ValueError(f"{key}={path} does not exist; give a .txt, CSV, JSONL or Parquet file")
+    else:
+        rows = [{field: line} for line in Path(path).read_text().splitlines() if line.strip()]
+    if not rows:  # blank lines only
+        raise no_rows(key, path)
+    check_text(rows, [field], f"{key}={path}", "data.text_field")
     return rows
 
 

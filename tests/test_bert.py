@@ -229,6 +229,20 @@ def test_local_csv_and_jsonl_files_train_end_to_end(tmp_path: Path, tiny_bert: P
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps"] == 6 and set(summary["eval"]) == {"loss", "accuracy", "f1"}
     assert summary["eval"]["accuracy"] * 5 == pytest.approx(round(summary["eval"]["accuracy"] * 5))
+    # Evaluated again on a file of 'pos' rows only: its ids are still the checkpoint's (it once made 'pos' 0 there)
+    checkpoint = run_dir / "checkpoints" / "6"
+    assert json.loads((checkpoint / "config.json").read_text())["id2label"] == {"0": "neg", "1": "pos"}
+    (tmp_path / "pos.csv").write_text("sentence,sentiment\n" + "".join(f"{t},pos\n" for t in good * 3))
+    out = run_cli("+exp=bert", f"model.pretrained={run_dir}", "data=files", f"data.path={tmp_path / 'pos.csv'}",
+                  f"data.eval_path={tmp_path / 'pos.csv'}", "data.text_fields=sentence", "data.label_field=sentiment",
+                  "train.max_steps=0", "train.global_batch_size=8", "train.micro_batch_size=2",
+                  f"hydra.run.dir={tmp_path / 'eval'}", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-4000:]
+    model = transformers.AutoModelForSequenceClassification.from_pretrained(checkpoint).eval()
+    with torch.no_grad():  # the accuracy is the share of 'pos' predictions (before: of 'neg' ones), never 1/2 of 9
+        inputs = transformers.AutoTokenizer.from_pretrained(checkpoint)(good * 3, padding=True, return_tensors="pt")
+        says_pos = (model(**inputs).logits.argmax(-1) == 1).double().mean().item()
+    assert json.loads((tmp_path / "eval" / "summary.json").read_text())["eval"]["accuracy"] == pytest.approx(says_pos)
 
     (tmp_path / "lines.txt").write_text("\n".join(good + bad) * 4)
     run_dir = tmp_path / "mlm"

@@ -1,6 +1,7 @@
-"""Checks of common job conventions, in the parent before any worker starts: local files that exist and
-hold the named columns, model ids that can load offline, run dirs named as a pretrained model that have a
-checkpoint to start from. By key name only: launcher/ never imports jobs/.
+"""Checks of common job conventions, in the parent before any worker starts: local files that exist, hold rows
+and the named columns (one text or a pair), lengths within the model's positions, model ids that can load offline,
+run dirs named as a pretrained model that have a checkpoint to start from. By key name only: launcher/ never
+imports jobs/.
 
 Exercised by: `python -m launcher +exp=bert data=files data.path=missing.csv` (one-line error, exit 2).
 """
@@ -19,10 +20,15 @@ from launcher.rundir import PRETRAINED_KEYS, is_run_dir, newest_checkpoint, pinn
 
 PATH_KEYS = ("path", "eval_path")  # data files a job reads
 COLUMN_KEYS = ("text_fields", "label_field", "text_field")  # columns a tabular file must hold
+TEXT_FIELDS_KEY = "text_fields"  # columns tokenized together: a text, or a pair (a tokenizer takes no third)
 LENGTH_KEY = "max_length"  # tokens per sample a text job keeps (data.max_length)
 DROPOUT_KEY = "dropout"  # a probability that overrides the model's (model.dropout)
 # tokens a text job's batches are padded to a multiple of (data.pad_to_multiple_of; null: each batch's longest)
 PAD_KEY = "pad_to_multiple_of"
+# model_types whose position ids start after the padding id (RoBERTa's create_position_ids_from_input_ids): of
+# max_position_embeddings, the first pad_token_id + 1 are never a token's
+OFFSET_POSITIONS = ("roberta", "xlm-roberta", "xlm-roberta-xl", "camembert", "roberta-prelayernorm", "data2vec-text",
+                    "longformer", "mpnet", "ibert", "luke", "xmod")
 
 
 def _offline() -> bool:
@@ -32,17 +38,36 @@ def _offline() -> bool:
 def _columns(path: Path) -> list[str] | None:
     """Column names of a CSV / JSON Lines / Parquet file (None for other formats)."""
     if path.suffix == ".csv":
-        with open(path, newline="") as f:
-            return next(csv.reader(f), [])
+        with open(path, newline="", encoding="utf-8-sig") as f:  # Excel's BOM is no part of the first name
+            return next((row for row in csv.reader(f) if row), [])  # blank lines are skipped when read, too
     if path.suffix in (".jsonl", ".json"):
-        with open(path) as f:
-            first = f.readline()
-        return list(json.loads(first)) if first.strip().startswith("{") else None
+        with open(path, encoding="utf-8-sig") as f:
+            first = next((line for line in f if line.strip()), "")
+        try:
+            return list(json.loads(first)) if first.strip().startswith("{") else None
+        except json.JSONDecodeError:  # one object over several lines (a .json file): its job's reader says
+            return None
     if path.suffix == ".parquet":
         import pyarrow.parquet as pq
 
         return pq.read_schema(path).names
     return None
+
+
+def _has_rows(path: Path) -> bool:
+    """Whether a data file holds a sample: a row under a CSV's header, a JSON line, a Parquet row, a text line that
+    is not blank (a job would fail in its reader with an error that names neither the key nor the file)."""
+    if path.suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        return pq.read_metadata(path).num_rows > 0
+    if path.suffix not in (".csv", ".jsonl", ".json", ".txt"):  # a format of its own: only its job can tell
+        return path.stat().st_size > 0
+    with open(path, newline="", encoding="utf-8-sig", errors="replace") as f:
+        if path.suffix == ".csv":
+            rows = (row for row in csv.reader(f) if row)  # blank lines are skipped when read, too
+            return next(rows, None) is not None and next(rows, None) is not None  # one beyond the header
+        return any(line.strip() for line in f)
 
 
 def check_job_inputs(config: dict[str, Any], pinned: dict[str, dict[str, str]]) -> None:
@@ -77,9 +102,16 @@ def check_job_inputs(config: dict[str, Any], pinned: dict[str, dict[str, str]]) 
     data = config.get("data") or {}
     _check_lengths(data.get(LENGTH_KEY), data.get(PAD_KEY),
                    _model_source((config.get("model") or {}).get("pretrained"), pinned))
+    fields = data.get(TEXT_FIELDS_KEY)
+    if isinstance(fields, list) and len(fields) > 2:  # the tokenizer would take a third as text_target, silently
+        raise ConfigError(f"data.{TEXT_FIELDS_KEY}={fields} names {len(fields)} columns; the tokenizer takes a text "
+                          f"or a pair of texts: name one or two (join the others into one column)")
     wanted = [c for key in COLUMN_KEYS for c in ([data[key]] if isinstance(data.get(key), str) else data.get(key) or [])]
     for key in PATH_KEYS:
         path = Path(data[key]) if data.get(key) else None
+        if path and not _has_rows(path):
+            unset = f", or set data.{key}=null" if key == "eval_path" else ""
+            raise ConfigError(f"data.{key}={path} has no rows; give a file with at least one sample{unset}")
         columns = _columns(path) if path else None
         missing = [c for c in wanted if columns is not None and c not in columns]
         if missing:
@@ -139,12 +171,24 @@ def _check_lengths(max_length: Any, pad: Any, pretrained: Any) -> None:
     model_config = Path(pretrained) / "config.json" if isinstance(pretrained, str) else None
     if model_config is None or not model_config.is_file():  # a hub id: checked when the model loads
         return
-    positions = json.loads(model_config.read_text()).get("max_position_embeddings")
+    positions, why = _positions(json.loads(model_config.read_text()))
     if positions and max_length > positions:
         raise ConfigError(f"data.max_length={max_length} is more than the {positions} positions of "
-                          f"model.pretrained={pretrained}; set data.max_length<={positions}")
+                          f"model.pretrained={pretrained}{why}; set data.max_length<={positions}")
     padded = max_length if pad is None else -(-max_length // pad) * pad  # the longest batch, padded
     if positions and padded > positions:
         raise ConfigError(f"data.{PAD_KEY}={pad} pads batches of data.max_length={max_length} tokens to {padded}, "
-                          f"more than the {positions} positions of model.pretrained={pretrained}; use a divisor of "
-                          f"{positions}, or '${{data.max_length}}'")
+                          f"more than the {positions} positions of model.pretrained={pretrained}{why}; use a divisor "
+                          f"of {positions}, or '${{data.max_length}}'")
+
+
+def _positions(model_config: dict[str, Any]) -> tuple[int | None, str]:
+    """Tokens a model's position embeddings hold (None: its config does not say), and why where it is fewer than
+    max_position_embeddings."""
+    positions, model_type = model_config.get("max_position_embeddings"), model_config.get("model_type")
+    if not positions or model_type not in OFFSET_POSITIONS:
+        return positions, ""
+    pad = model_config.get("pad_token_id")
+    pad = 1 if pad is None else pad  # RoBERTa's default
+    return positions - pad - 1, (f" ({model_type}: its position ids start at pad_token_id + 1 = {pad + 1}, of "
+                                 f"max_position_embeddings={positions})")

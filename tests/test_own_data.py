@@ -1,0 +1,180 @@
+"""A user's own data files for the BERT jobs: label ids that stay those the model learned, empty cells, float
+labels, empty files, text field lists, and model configs the parent checks; in process, with files in tmp_path."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import transformers as hf
+
+from jobs.bert import MaskedLM, TextClassification, classification_model, masked_lm_model
+from launcher.derived import ConfigError
+from launcher.launch.checks import check_job_inputs
+
+GOOD, BAD = ["a great film", "lovely and warm", "truly superb"], ["a dull mess", "awful acting", "so boring"]
+
+
+def write(path: Path, text: str) -> str:
+    path.write_text(text)
+    return str(path)
+
+
+def reviews_csv(tmp_path: Path, name: str = "train.csv", labels: tuple[str, str] = ("neg", "pos")) -> str:
+    rows = [f"{t},{labels[1]}\n" for t in GOOD] + [f"{t},{labels[0]}\n" for t in BAD]
+    return write(tmp_path / name, "text,label\n" + "".join(rows))
+
+
+def jsonl(tmp_path: Path, name: str, rows: list[dict]) -> str:
+    return write(tmp_path / name, "".join(json.dumps(row) + "\n" for row in rows))
+
+
+def files(tiny_bert: Path | str, path: str, **kwargs) -> TextClassification:
+    return TextClassification(str(tiny_bert), source="files", path=path, **kwargs)
+
+
+def test_string_labels_are_the_train_files_and_the_checkpoint_keeps_them(tmp_path: Path, tiny_bert: Path) -> None:
+    """Ids come from the sorted train labels, not from whatever the eval file holds; write_model_files saves
+    them as id2label (a pipeline shows the names), and a model built from that checkpoint maps by them, even
+    for a file of one label (it once took 'pos' for id 0 there)."""
+    only_pos = jsonl(tmp_path, "only_pos.jsonl", [{"text": t, "label": "pos"} for t in GOOD])
+    task = files(tiny_bert, reviews_csv(tmp_path), eval_path=only_pos)
+    assert [s["labels"] for s in task.eval_set] == [1, 1, 1]
+    checkpoint = tmp_path / "checkpoint"
+    model = classification_model(str(tiny_bert), num_labels=2)
+    model.save_pretrained(checkpoint)
+    task.write_model_files(model, checkpoint)
+    config = json.loads((checkpoint / "config.json").read_text())
+    assert (config["id2label"], config["label2id"]) == ({"0": "neg", "1": "pos"}, {"neg": 0, "pos": 1})
+    predicted = hf.pipeline("text-classification", model=str(checkpoint))(GOOD)
+    assert {p["label"] for p in predicted} <= {"neg", "pos"}
+    again = files(checkpoint, only_pos, eval_path=only_pos)  # model.pretrained=<run dir>: its checkpoint
+    assert [s["labels"] for s in again.train_set + again.eval_set] == [1] * 6
+    no_names = files(tiny_bert, only_pos)  # a pre-trained model has LABEL_0, LABEL_1: a new mapping
+    assert no_names.labels.names == ["pos"] and no_names.train_set[0]["labels"] == 0
+
+
+def test_a_label_the_mapping_does_not_know_is_named_with_its_file_and_row(tmp_path: Path, tiny_bert: Path) -> None:
+    """An eval-only label was reported as another one ('positive' outside data.num_labels=2)."""
+    dev = jsonl(tmp_path, "dev.jsonl", [{"text": "fine", "label": label} for label in ("neg", "pos", "neutral")])
+    with pytest.raises(ValueError, match=rf"^data\.eval_path={dev} row 3: label 'neutral' is not one of the labels the "
+                                         rf"model is trained on \['neg', 'pos'\] \(the labels of data\.path="):
+        files(tiny_bert, reviews_csv(tmp_path), eval_path=dev)
+    checkpoint = tmp_path / "checkpoint"
+    model = classification_model(str(tiny_bert), num_labels=2)
+    model.save_pretrained(checkpoint)
+    files(tiny_bert, reviews_csv(tmp_path)).write_model_files(model, checkpoint)
+    other = reviews_csv(tmp_path, "other.csv", labels=("ham", "spam"))
+    with pytest.raises(ValueError, match=rf"^data\.path={other} row 1: label 'spam' is not one of the labels the model "
+                                         rf"is trained on \['neg', 'pos'\] \(id2label in the config\.json of "):
+        files(checkpoint, other)
+    with pytest.raises(ValueError, match=r"^data\.num_labels=3 but data\.tokenizer=.* is a classifier of 2 labels"):
+        files(checkpoint, reviews_csv(tmp_path), num_labels=3)
+    with pytest.raises(ValueError, match=r"train\.csv has 2 labels \['neg', 'pos'\] in column 'label' \(data\.label_"
+                                         r"field\), more than data\.num_labels=1; set data\.num_labels=2"):
+        files(tiny_bert, reviews_csv(tmp_path), num_labels=1)
+
+
+CELLS = {"missing text": ("text,label\ngood,pos\n,neg\n", "row 2: no text in column 'text' (data.text_fields)"),
+         "missing name": ("text,label\ngood,pos\nbad,\n", "row 2: no label in column 'label' (data.label_field)"),
+         "missing id": ("text,label\ngood,1\nbad,\nok,0\n", "row 2: no label in column 'label' (data.label_field)"),
+         "float label": ("text,label\ngood,0.4\nbad,1.9\n", "row 1: label 0.4 in column 'label' (data.label_field) is "
+                                                             "not a class: give integer class ids or names"),
+         "id outside": ("text,label\ngood,1\nbad,2\n", "row 2: label 2 is outside data.num_labels=2 (class ids 0..1)")}
+
+
+@pytest.mark.parametrize("case", list(CELLS))
+def test_empty_cells_and_labels_that_are_no_class_name_the_file_key_and_row(
+        tmp_path: Path, tiny_bert: Path, case: str) -> None:
+    """Trained on silently before: an empty text as the word None, an empty name as a class of its own, 0.4 and
+    1.9 as 0 and 1; an empty id failed in int() with a hint at the config."""
+    content, expected = CELLS[case]
+    path = write(tmp_path / "train.csv", content)
+    with pytest.raises(ValueError) as error:
+        files(tiny_bert, path)
+    assert str(error.value).startswith(f"data.path={path} {expected}"), str(error.value)
+
+
+def test_integer_labels_are_ids(tmp_path: Path, tiny_bert: Path) -> None:
+    """pandas writes an int column with an empty cell as floats: 1.0 is id 1. A name where the train labels are
+    ids has no id."""
+    path = jsonl(tmp_path, "train.jsonl", [{"text": "good", "label": 1.0}, {"text": "bad", "label": 0.0}])
+    assert [s["labels"] for s in files(tiny_bert, path).train_set] == [1, 0]
+    dev = jsonl(tmp_path, "dev.jsonl", [{"text": "good", "label": "pos"}])
+    with pytest.raises(ValueError, match=rf"^data\.eval_path={dev} row 1: label 'pos' is a name, but the labels of "
+                                         rf"data\.path={path} are class ids \(integers\)"):
+        files(tiny_bert, path, eval_path=dev)
+
+
+def test_text_fields_are_one_column_or_a_pair(tmp_path: Path, tiny_bert: Path) -> None:
+    """A plain string is one column (the job split it into characters); a third column is refused, in the parent
+    and in the job (the tokenizer took it as text_target, silently)."""
+    path = write(tmp_path / "nli.csv", "premise,hypothesis,extra,label\nit rains,it is wet,x,1\nit is dry,it is,y,0\n")
+    as_string, as_list = files(tiny_bert, path, text_fields="premise"), files(tiny_bert, path, text_fields=["premise"])
+    assert [s["input_ids"] for s in as_string.train_set] == [s["input_ids"] for s in as_list.train_set]
+    config = {"model": {}, "data": {"path": path, "text_fields": "premise", "label_field": "label"}}
+    check_job_inputs(config, {})
+    three = ["premise", "hypothesis", "extra"]
+    expected = r"^data\.text_fields=\['premise', 'hypothesis', 'extra'\] names 3 columns; the tokenizer takes a text or"
+    with pytest.raises(ConfigError, match=expected):
+        check_job_inputs({"model": {}, "data": {**config["data"], "text_fields": three}}, {})
+    with pytest.raises(ValueError, match=expected):
+        files(tiny_bert, path, text_fields=three)
+
+
+def test_empty_files_name_their_key(tmp_path: Path, tiny_bert: Path) -> None:
+    """A header-only CSV gave datasets' 'Instruction "train" corresponds to no data!' (for data.eval_path too), an
+    empty JSONL a StopIteration, a blank .txt an IndexError; the parent refused a 0-byte CSV for its columns."""
+    train = reviews_csv(tmp_path)
+    empty = {"header.csv": "text,label\n\n", "empty.csv": "", "empty.jsonl": "", "blank.jsonl": "\n \n",
+             "blank.txt": "\n  \n"}
+    for name, content in empty.items():
+        path = write(tmp_path / name, content)
+        with pytest.raises(ConfigError, match=rf"^data\.eval_path={path} has no rows; .*, or set data\.eval_path=null"):
+            check_job_inputs({"model": {}, "data": {"path": train, "eval_path": path}}, {})
+        if name.endswith(".txt"):
+            with pytest.raises(ValueError, match=rf"^data\.path={path} has no rows; give a file with at least one"):
+                MaskedLM(str(tiny_bert), source="files", path=path)
+            continue
+        with pytest.raises(ValueError, match=rf"^data\.eval_path={path} has no rows; give a file with at least one"):
+            files(tiny_bert, train, eval_path=path)
+        with pytest.raises(ValueError, match=rf"^data\.path={path} has no rows; give a file with at least one"):
+            files(tiny_bert, path)
+
+
+def test_a_csv_with_a_byte_order_mark_has_its_columns(tmp_path: Path, tiny_bert: Path) -> None:
+    """Excel's UTF-8 CSV starts with a BOM: the parent read the first column as '\\ufefftext' and refused it."""
+    path = tmp_path / "excel.csv"
+    path.write_bytes("text,label\r\ngood,pos\r\nbad,neg\r\n".encode("utf-8-sig"))
+    check_job_inputs({"model": {}, "data": {"path": str(path), "text_fields": ["text"], "label_field": "label"}}, {})
+    assert [s["labels"] for s in files(tiny_bert, str(path)).train_set] == [1, 0]
+
+
+def test_masked_lm_refuses_a_model_that_is_no_bert(tmp_path: Path) -> None:
+    """It loaded a RoBERTa into BertForMaskedLM: no weight matched, and it pre-trained a random BERT."""
+    hf.RobertaForMaskedLM(hf.RobertaConfig(vocab_size=100, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                           intermediate_size=64)).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=rf"^model\.pretrained={tmp_path} is a roberta model; model=bert_mlm "
+                                         rf"pre-trains BERT only"):
+        masked_lm_model(str(tmp_path))
+
+
+@pytest.mark.parametrize("pad", [0, 1])
+def test_max_length_leaves_roberta_its_padding_positions(tmp_path: Path, pad: int) -> None:
+    """RoBERTa's position ids start at pad_token_id + 1: of 66 positions, 66 - pad - 1 hold tokens (a run with
+    data.max_length=66 passed the parent and failed in the workers: index 66 is out of bounds)."""
+    config = hf.RobertaConfig(vocab_size=100, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                              intermediate_size=64, max_position_embeddings=66, pad_token_id=pad)
+    model = hf.RobertaModel(config).eval()
+    model.save_pretrained(tmp_path)
+    longest = 66 - pad - 1
+    model(input_ids=torch.full((1, longest), 5))  # the longest that fits
+    with pytest.raises((IndexError, RuntimeError)):
+        model(input_ids=torch.full((1, longest + 1), 5))
+    check_job_inputs({"model": {"pretrained": str(tmp_path)}, "data": {"max_length": longest}}, {})
+    with pytest.raises(ConfigError, match=rf"^data\.max_length={longest + 1} is more than the {longest} positions of "
+                                          rf"model\.pretrained={tmp_path} \(roberta: its position ids start at"):
+        check_job_inputs({"model": {"pretrained": str(tmp_path)}, "data": {"max_length": longest + 1}}, {})
+    hf.BertConfig(max_position_embeddings=66, pad_token_id=pad).save_pretrained(tmp_path)  # BERT's start at 0
+    check_job_inputs({"model": {"pretrained": str(tmp_path)}, "data": {"max_length": 66}}, {})
