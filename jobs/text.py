@@ -94,7 +94,9 @@ def _check_columns(rows: list[dict[str, Any]], fields: list[str], where: str, ke
 
 def load_file_rows(path: str, fields: list[str], key: str = "data.path") -> list[dict[str, Any]]:
     """Rows of a local CSV, JSON Lines or Parquet file, read with the `datasets` library."""
-    from datasets import load_dataset  # imported here: a slow import the embedded default never needs
+    from datasets import disable_progress_bars, load_dataset  # here: a slow import the embedded default never needs
+
+    disable_progress_bars()  # every rank drew "Generating train split" bars over the run's own lines
 
     file = Path(path)
     formats = {".csv": "csv", ".json": "json", ".jsonl": "json", ".parquet": "parquet"}
