@@ -241,3 +241,20 @@ def test_a_ranks_error_is_told_by_its_line_that_says_what_failed() -> None:
     assert last_line(omegaconf) == "ConfigAttributeError: Missing key checkpoint_timeout_s"
     assert last_line("ValueError: one line") == "ValueError: one line"
     assert last_line("RuntimeError: first\nsecond") == "second"
+
+
+def test_status_tells_a_run_that_slurm_here_cannot_by_its_run_dir_and_keeps_each_sweep_together(tmp_path: Path) -> None:
+    """Without sacct and squeue (another host, a forgotten job) a finished run said UNKNOWN; sweeps side by side
+    were listed point by point, interleaved (a/0, b/0, a/1, b/1)."""
+    from launcher.launch.status import describe, run_dirs
+
+    for sweep in ("a", "b"):
+        for point in ("0", "1", "10"):
+            (tmp_path / sweep / point).mkdir(parents=True)
+            (tmp_path / sweep / point / "config.yaml").write_text("{}\n")
+    assert [str(p.relative_to(tmp_path)) for p in run_dirs(tmp_path)] == ["a/0", "a/1", "a/10", "b/0", "b/1", "b/10"]
+    done, gone = tmp_path / "a" / "0", tmp_path / "a" / "1"
+    (done / "summary.json").write_text("{}\n")
+    assert describe(done, "5", {"5": "UNKNOWN"})["state"] == "DONE"
+    assert describe(gone, "6", {"6": "UNKNOWN"})["state"] == "UNKNOWN"
+    assert describe(done, "5", {"5": "COMPLETED"})["state"] == "COMPLETED"

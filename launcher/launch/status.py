@@ -19,7 +19,7 @@ def run_dirs(root: Path) -> list[Path]:
     if (root / "config.yaml").is_file():
         return [root]
     found = [p.parent for p in root.rglob("config.yaml") if p.parent.name != ".hydra"]
-    return sorted(found, key=lambda p: (len(p.parts), p.name.zfill(8), str(p)))
+    return sorted(found, key=lambda p: (str(p.parent), p.name.zfill(8), str(p)))  # each sweep's points together
 
 
 def describe(run_dir: Path, job: str | None, slurm: dict[str, str]) -> dict[str, Any]:
@@ -28,12 +28,14 @@ def describe(run_dir: Path, job: str | None, slurm: dict[str, str]) -> dict[str,
                            "eval": "-", "best": "-", "checkpoint": "-"}
     if lock_holder(run_dir):  # a local launch's workers run (also in the run dir of a Slurm job that ended)
         row["state"] = "RUNNING"
-    elif job:
+    elif job and slurm[job] != "UNKNOWN":
         row["state"] = slurm[job]
-    elif (run_dir / SUMMARY_FILE).is_file():
+    elif (run_dir / SUMMARY_FILE).is_file():  # (a job that Slurm here cannot tell of: the run dir can)
         row["state"] = "DONE"
     elif (run_dir / PREEMPTED_FILE).is_file():
         row["state"] = "PREEMPTED"
+    elif job:
+        row["state"] = "UNKNOWN"
     metrics = run_dir / "metrics.jsonl"
     for record in map(json.loads, metrics.read_text().splitlines() if metrics.is_file() else []):
         if "loss" in record:
