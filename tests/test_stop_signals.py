@@ -77,6 +77,17 @@ def test_ctrl_c_after_the_last_step_lets_the_run_end(tmp_path: Path) -> None:
     assert json.loads((run_dir / "summary.json").read_text())["eval"]["loss"] > 0
 
 
+def test_ctrl_c_in_a_fresh_start_over_an_earlier_summary_still_stops_with_a_save(tmp_path: Path) -> None:
+    """An evaluate-only run (train.max_steps=0) left a summary.json and no checkpoint; the training run started
+    there deletes it as it starts from step 0, which is no end of the run: its Ctrl-C saves and exits 75."""
+    run_dir = tmp_path / "run"
+    finish(start(run_dir, "train.max_steps=0"), 0)
+    proc = start(run_dir, "train.max_steps=20", "data.sleep_s=0.3")
+    wait_until(lambda: logged_step(run_dir) >= 1)
+    proc.send_signal(signal.SIGINT)
+    assert "stopped by SIGINT: checkpoint saved at step" in finish(proc, REQUEUE_EXIT_CODE)
+
+
 # sitecustomize of the launcher's process: SIGTERM as soon as the launcher keeps it, in the seconds of its imports
 TERM_ONCE_KEPT = """import os, signal, threading, time
 if os.environ.pop("TERM_ONCE_KEPT", None):  # this process only, not the workers it would start

@@ -149,9 +149,10 @@ def run_agent(config_path: Path, plan: Plan, launcher: DictConfig, rendezvous: l
             torchrun.run(torchrun.parse_args(torchrun_args(config_path, plan, launcher, rendezvous)))
     except SignalException as err:  # the agent relayed it and waited for the workers' checkpoint
         code = 128 + int(err.sigval)
-        if summary_stamp(run_dir) != summary_before:  # after the last step (the final eval, save): the workers ended
+        ended = summary_stamp(run_dir)  # rank 0's last write: after the last step (the final eval, save) they ended
+        if ended is not None and ended != summary_before and read_preempted(run_dir) is None:
             print(f"the run ended before {signal.Signals(err.sigval).name} could stop it: nothing to resume", file=sys.stderr)
-            return 0  # the run (rank 0 writes summary.json last), and no step is left to stop at
+            return 0  # (a fresh start deletes an earlier summary.json: only one written now counts)
         if err.sigval in signals and read_preempted(run_dir) is None:  # they saved none: a requeue goes on all the same
             write_preempted(run_dir, (complete_steps(run_dir) or [0])[-1], err.sigval, saved=False, started=started)
     except (RendezvousError, DistStoreError, DistNetworkError) as err:  # nobody serves the endpoint, nodes missing
