@@ -18,8 +18,8 @@ from transformers import (AutoConfig, AutoModelForSequenceClassification, AutoTo
 from jobs.activation_checkpointing import checkpoint_activations
 from jobs.attention import hf_model, model_inputs, use_sdpa_unmasked
 from jobs.labels import Labels
-from jobs.text import (GLUE_FIELDS, check_text, corpus_lines, load_file_rows, load_hub_rows, sentiment_rows,
-                       text_columns, text_file_rows)
+from jobs.text import (GLUE_FIELDS, DataError, check_text, corpus_lines, load_file_rows, load_hub_rows,
+                       sentiment_rows, text_columns, text_file_rows)
 
 transformers.utils.logging.disable_progress_bar()
 if os.environ.get("RANK", "0") != "0":  # one load report is enough
@@ -30,7 +30,7 @@ def _from_pretrained(cls: Any, pretrained: str, **kwargs: Any) -> Any:
     try:
         return cls.from_pretrained(pretrained, **kwargs)
     except OSError as err:
-        raise ValueError(f"model.pretrained={pretrained} is not a local model dir and could not be loaded "
+        raise DataError(f"model.pretrained={pretrained} is not a local model dir and could not be loaded "
                          f"from the hub ({str(err).splitlines()[0][:160]}); offline, give a dir written by "
                          f"save_pretrained") from None
 
@@ -48,7 +48,7 @@ def _config(pretrained: str, dropout: float | None, **kwargs: Any) -> dict[str, 
     config = _from_pretrained(AutoConfig, pretrained, **kwargs)
     keys = [key for key in DROPOUT_KEYS if hasattr(config, key)]
     if not keys:
-        raise ValueError(f"model.dropout={dropout}: the config of model.pretrained={pretrained} names no dropout "
+        raise DataError(f"model.dropout={dropout}: the config of model.pretrained={pretrained} names no dropout "
                          f"probability this job knows ({', '.join(DROPOUT_KEYS)}); set model.dropout=null")
     for key in keys:
         setattr(config, key, dropout)
@@ -93,7 +93,7 @@ def masked_lm_model(pretrained: str, dtype: str = "float32", dropout: float | No
     """BERT weights from a hub id or local dir; an MLM head is initialised when the dir has none."""
     model_type = _from_pretrained(AutoConfig, pretrained).model_type
     if model_type != "bert":  # BertForMaskedLM would load none of its weights and pre-train from random ones
-        raise ValueError(f"model.pretrained={pretrained} is a {model_type} model; model=bert_mlm pre-trains BERT only "
+        raise DataError(f"model.pretrained={pretrained} is a {model_type} model; model=bert_mlm pre-trains BERT only "
                          f"(model_type bert, as bert-base-uncased): give a BERT checkpoint")
     model = _from_pretrained(BertMaskedLMSum, pretrained, **_config(pretrained, dropout))
     return checkpoint_activations(use_sdpa_unmasked(model), activation_checkpointing).to(getattr(torch, dtype))
@@ -162,7 +162,7 @@ class TextClassification:
             eval_rows = load_hub_rows(name or "", task, eval_split, columns)
             wheres = (f"data.name={name} data.task={task} (train)", f"data.name={name} data.task={task} ({eval_split})")
         else:
-            raise ValueError(f"data.source={source} is not one of embedded, files, hub")
+            raise DataError(f"data.source={source} is not one of embedded, files, hub")
         self.num_labels = num_labels
         self.labels = Labels(tokenizer, train_rows, label_field, num_labels, wheres[0])
         self.tokenizer = AutoTokenizer.from_pretrained(tokenizer)
@@ -235,7 +235,7 @@ class MaskedLM:
             train_rows = load_hub_rows(name or "", task, "train", [text_field])
             eval_rows = load_hub_rows(name or "", task, eval_split, [text_field])
         else:
-            raise ValueError(f"data.source={source} is not one of embedded, files, hub")
+            raise DataError(f"data.source={source} is not one of embedded, files, hub")
         self.tokenizer = AutoTokenizer.from_pretrained(tokenizer)
         self.seed, self.mlm_probability = seed, mlm_probability
         self.train_set = [self._mask(s) for s in _tokenize(self.tokenizer, train_rows, [text_field], max_length)]

@@ -8,7 +8,7 @@ from typing import Any
 
 from transformers import AutoConfig
 
-from jobs.text import is_missing
+from jobs.text import DataError, is_missing
 
 
 def _listed(names: list[Any], most: int = 10) -> str:
@@ -44,7 +44,7 @@ class Labels:
         if self.names is not None:
             self.origin = f"id2label in the config.json of data.tokenizer={pretrained}"
             if len(self.names) != num_labels:
-                raise ValueError(f"data.num_labels={num_labels} but data.tokenizer={pretrained} is a classifier of "
+                raise DataError(f"data.num_labels={num_labels} but data.tokenizer={pretrained} is a classifier of "
                                  f"{len(self.names)} labels {_listed(self.names)}; set "
                                  f"data.num_labels={len(self.names)}")
             self.advice = ("correct or drop those rows, or start from a model without label names (a pre-trained one, "
@@ -55,7 +55,7 @@ class Labels:
         self.names, self.ids = names or None, {name: i for i, name in enumerate(names)}
         self.origin, self.train_where = f"the labels of {train_where}, sorted", train_where
         if len(names) > num_labels:
-            raise ValueError(f"{train_where} has {len(names)} labels {_listed(names)} in column {label_field!r} "
+            raise DataError(f"{train_where} has {len(names)} labels {_listed(names)} in column {label_field!r} "
                              f"(data.label_field), more than data.num_labels={num_labels}; set "
                              f"data.num_labels={len(names)}")
         self.advice = f"drop those rows, or add rows with that label to {train_where}"
@@ -64,23 +64,23 @@ class Labels:
         """The class id of one row's label; a ValueError naming the file key and the row where there is none."""
         at = f"{where} row {row}: "
         if is_missing(value):
-            raise ValueError(f"{at}no label in column {self.label_field!r} (data.label_field); fill it in or drop "
+            raise DataError(f"{at}no label in column {self.label_field!r} (data.label_field); fill it in or drop "
                              f"the row")
         if isinstance(value, str):
             if self.names is None:
-                raise ValueError(f"{at}label {value!r} is a name, but the labels of {self.train_where} are class ids "
+                raise DataError(f"{at}label {value!r} is a name, but the labels of {self.train_where} are class ids "
                                  f"(integers); give every row an integer id, or every row a name")
             if value not in self.ids:
-                raise ValueError(f"{at}label {value!r} is not one of the labels the model is trained on "
+                raise DataError(f"{at}label {value!r} is not one of the labels the model is trained on "
                                  f"{_listed(self.names)} ({self.origin}); {self.advice}")
             return self.ids[value]
         if isinstance(value, float) and value.is_integer():  # a column of ints with an empty cell reads as floats
             value = int(value)
         if not isinstance(value, int):  # bool is an int: JSON's true/false are ids 1/0
-            raise ValueError(f"{at}label {value!r} in column {self.label_field!r} (data.label_field) is not a class: "
+            raise DataError(f"{at}label {value!r} in column {self.label_field!r} (data.label_field) is not a class: "
                              f"give integer class ids or names (this job classifies, it does not regress)")
         if not 0 <= value < self.num_labels:
-            raise ValueError(f"{at}label {value} is outside data.num_labels={self.num_labels} (class ids "
+            raise DataError(f"{at}label {value} is outside data.num_labels={self.num_labels} (class ids "
                              f"0..{self.num_labels - 1}); set data.num_labels to the number of classes")
         return int(value)
 

@@ -51,6 +51,12 @@ def corpus_lines(n: int, seed: int) -> list[dict[str, Any]]:
             for _ in range(n)]
 
 
+class DataError(ValueError):
+    """A message about the job's input (a file, a row, a config key): the launcher shows its one line, no traceback."""
+
+    one_line = True
+
+
 def is_missing(value: Any) -> bool:
     """An empty cell: None from CSV/JSONL/Parquet, NaN where pandas wrote one."""
     return value is None or (isinstance(value, float) and math.isnan(value))
@@ -60,7 +66,7 @@ def text_columns(text_fields: str | list[str] | None, default: list[str]) -> lis
     """data.text_fields as a list: one column (a plain string is one, not its characters) or a pair."""
     fields = [text_fields] if isinstance(text_fields, str) else list(text_fields or default)
     if len(fields) > 2:  # the tokenizer's third positional argument is text_target: it would be dropped silently
-        raise ValueError(f"data.text_fields={fields} names {len(fields)} columns; the tokenizer takes a text or a "
+        raise DataError(f"data.text_fields={fields} names {len(fields)} columns; the tokenizer takes a text or a "
                          f"pair of texts: name one or two (join the others into one column)")
     return fields
 
@@ -69,8 +75,8 @@ def check_text(rows: list[dict[str, Any]], fields: list[str], where: str, key: s
     """Every row has its text (an empty cell would be tokenized as the word None)."""
     for number, row in enumerate(rows, 1):
         for field in fields:
-            if is_missing(row[field]):
-                raise ValueError(f"{where} row {number}: no text in column {field!r} ({key}); fill it in or drop "
+            if is_missing(row[field]) or not str(row[field]).strip():
+                raise DataError(f"{where} row {number}: no text in column {field!r} ({key}); fill it in or drop "
                                  f"the row")
 
 
@@ -80,15 +86,15 @@ def _blank(file: Path) -> bool:
         return not any(chunk.strip() for chunk in iter(lambda: f.read(1 << 16), b""))
 
 
-def no_rows(key: str, path: str) -> ValueError:
+def no_rows(key: str, path: str) -> DataError:
     unset = f", or set {key}=null" if key == "data.eval_path" else ""
-    return ValueError(f"{key}={path} has no rows; give a file with at least one sample{unset}")
+    return DataError(f"{key}={path} has no rows; give a file with at least one sample{unset}")
 
 
 def _check_columns(rows: list[dict[str, Any]], fields: list[str], where: str, key: str) -> None:
     missing = [f for f in fields if rows and f not in rows[0]]
     if missing:
-        raise ValueError(f"{key}={fields} but {where} has no column(s) {missing}; "
+        raise DataError(f"{key}={fields} but {where} has no column(s) {missing}; "
                          f"its columns are {sorted(rows[0])}")
 
 
@@ -101,9 +107,9 @@ def load_file_rows(path: str, fields: list[str], key: str = "data.path") -> list
     file = Path(path)
     formats = {".csv": "csv", ".json": "json", ".jsonl": "json", ".parquet": "parquet"}
     if not file.is_file():
-        raise ValueError(f"{key}={path} does not exist; give a CSV, JSONL or Parquet file")
+        raise DataError(f"{key}={path} does not exist; give a CSV, JSONL or Parquet file")
     if file.suffix not in formats:
-        raise ValueError(f"{key}={path} has suffix {file.suffix!r}; use one of {sorted(formats)}")
+        raise DataError(f"{key}={path} has suffix {file.suffix!r}; use one of {sorted(formats)}")
     if _blank(file):  # datasets: StopIteration (JSONL) or DatasetGenerationError (CSV)
         raise no_rows(key, path)
     try:
@@ -123,7 +129,7 @@ def text_file_rows(path: str, field: str, key: str) -> list[dict[str, Any]]:
     if not path.endswith(".txt"):
         rows = load_file_rows(path, [field], key=key)
     elif not Path(path).is_file():
-        raise ValueError(f"{key}={path} does not exist; give a .txt, CSV, JSONL or Parquet file")
+        raise DataError(f"{key}={path} does not exist; give a .txt, CSV, JSONL or Parquet file")
     else:
         rows = [{field: line} for line in Path(path).read_text().splitlines() if line.strip()]
     if not rows:  # blank lines only
@@ -139,7 +145,7 @@ def load_hub_rows(name: str, subset: str | None, split: str, fields: list[str]) 
     try:
         rows = load_dataset(name, subset, split=split).to_list()
     except Exception as err:  # offline, unknown name, ...: one clear line
-        raise ValueError(f"data.name={name} data.task={subset} could not be loaded ({type(err).__name__}: "
+        raise DataError(f"data.name={name} data.task={subset} could not be loaded ({type(err).__name__}: "
                          f"{str(err).splitlines()[0][:200]}); it needs the hub or a local copy "
                          f"(data=files data.path=...)") from None
     _check_columns(rows, fields, f"{name}/{subset}", "data.text_fields/data.label_field")

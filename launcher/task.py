@@ -45,6 +45,8 @@ class Task(Protocol):
     #   What makes checkpoints/<step>/ loadable without the launcher, written beside its model.safetensors
     #   (a transformers job: config.json and the tokenizer; then from_pretrained loads the checkpoint, and
     #   model.pretrained=<run dir> starts another run from the run's newest one).
+    # An error the job raises while it is built, with a true `one_line` attribute, is a message for the user (a
+    # bad row of a data file): the launcher shows its one line, and no rank its traceback.
 
 
 def count_tokens(batch: dict[str, torch.Tensor]) -> int | None:

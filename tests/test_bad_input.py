@@ -7,10 +7,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from omegaconf import OmegaConf
 
 from conftest import run_cli
 from jobs.toy import ToyRegression
-from launcher.train.job import check_task
+from launcher.train.job import build_part, check_task
 
 
 def make_csv(tmp_path: Path) -> str:
@@ -214,3 +215,27 @@ def test_a_slurm_sweep_point_refused_at_launch_leaves_no_point_behind(tmp_path: 
                   f"hydra.sweep.dir={sweep}", cwd=tmp_path)
     assert out.returncode == 2 and "train.micro_batch_size=7" in out.stderr, out.stderr
     assert "submitted job" not in out.stdout and not sweep.exists()
+
+
+def raises_a_data_error() -> None:
+    from jobs.text import DataError
+    raise DataError("data.path=x.csv row 3: no label in column 'label' (data.label_field)")
+
+
+def unpacks_wrongly() -> None:
+    first, second = [1, 2, 3]  # noqa: F841  (a fault of the job's own code)
+
+
+@pytest.mark.parametrize("target, one_line", [
+    ("test_bad_input.raises_a_data_error", True), ("jobs.toy.NoSuchTask", True), ("no_such_module.Task", True),
+    ("test_bad_input.unpacks_wrongly", False), ("brokenjob.Task", False)])
+def test_only_a_config_mistake_or_a_message_of_the_job_goes_without_its_traceback(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, target: str, one_line: bool) -> None:
+    """A job's message about its input (an error with a true one_line: jobs.text.DataError) and a target or
+    argument Hydra cannot use are their one line; a fault in the job's code, a ValueError included, or in its
+    module as it is imported (Hydra passes that on as its own ImportError), keeps rank 0's traceback."""
+    (tmp_path / "brokenjob.py").write_text("class Task:\n    pass\n\n\nundefined_name\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ValueError) as error:
+        build_part("data", OmegaConf.create({"_target_": target}))
+    assert error.value.one_line is one_line, str(error.value)

@@ -77,6 +77,7 @@ def test_a_label_the_mapping_does_not_know_is_named_with_its_file_and_row(tmp_pa
 
 
 CELLS = {"missing text": ("text,label\ngood,pos\n,neg\n", "row 2: no text in column 'text' (data.text_fields)"),
+         "blank text": ('text,label\ngood,pos\n"  ",neg\n', "row 2: no text in column 'text' (data.text_fields)"),
          "missing name": ("text,label\ngood,pos\nbad,\n", "row 2: no label in column 'label' (data.label_field)"),
          "missing id": ("text,label\ngood,1\nbad,\nok,0\n", "row 2: no label in column 'label' (data.label_field)"),
          "float label": ("text,label\ngood,0.4\nbad,1.9\n", "row 1: label 0.4 in column 'label' (data.label_field) is "

@@ -149,8 +149,8 @@ def run_agent(config_path: Path, plan: Plan, launcher: DictConfig, rendezvous: l
             torchrun.run(torchrun.parse_args(torchrun_args(config_path, plan, launcher, rendezvous)))
     except SignalException as err:  # the agent relayed it and waited for the workers' checkpoint
         code = 128 + int(err.sigval)
-        ended = summary_stamp(run_dir)  # rank 0's last write: after the last step (the final eval, save) they ended
-        if ended is not None and ended != summary_before and read_preempted(run_dir) is None:
+        ended, stop = summary_stamp(run_dir), read_preempted(run_dir)  # summary.json: rank 0's last write, at the end
+        if ended is not None and ended != summary_before and not (stop and stop.get("saved", True)):
             print(f"the run ended before {signal.Signals(err.sigval).name} could stop it: nothing to resume", file=sys.stderr)
             return 0  # (a fresh start deletes an earlier summary.json: only one written now counts)
         if err.sigval in signals and read_preempted(run_dir) is None:  # they saved none: a requeue goes on all the same

@@ -27,6 +27,7 @@ from launcher.launch.plan import Plan
 from launcher.launch.slurm import ACTIVE, JOB_FILE, NodeTask, recorded_job, slurm_state
 from launcher.launch.tracker_start import mark_failed
 from launcher.preempt import signal_named
+from launcher.rundir import SUMMARY_FILE
 
 
 @dataclass
@@ -73,10 +74,10 @@ def dependency(launcher: dict[str, Any]) -> str | None:
         state = slurm_state(job_id)
         # Ended without completing: Slurm's afterok would hold only while Slurm remembers the job (MinJobAge), and
         # then let this run start from one that never finished
-        if state not in ACTIVE | {"COMPLETED", "UNKNOWN"}:
+        if state not in ACTIVE | {"COMPLETED", "UNKNOWN"} and not (after / SUMMARY_FILE).is_file():  # (it ended)
             raise ConfigError(f"launcher.after={after}: its job {job_id} ended {state} before the run finished; "
                               f"resubmit it (hydra.run.dir={after}), then this run with launcher.after again")
-        if state != "COMPLETED":  # UNKNOWN: neither sacct nor squeue answered here; Slurm judges the id
+        if state in ACTIVE or state == "UNKNOWN":  # UNKNOWN: neither sacct nor squeue answered; Slurm judges the id
             parts.append(f"afterok:{job_id}")
     return ",".join(parts) or None
 

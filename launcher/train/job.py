@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+import hydra
 from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 from omegaconf import DictConfig
@@ -27,14 +28,20 @@ def build_part(group: str, section: DictConfig, **kwargs: Any) -> Any:
     except InstantiationException as error:
         cause = error.__cause__ or error
         what = " ".join(line.strip() for line in str(cause).splitlines() if line.strip())[:300]
-        by_hydra = _raised_in_hydra(cause)  # an argument the target does not take, a target that does not import
+        # An argument the target does not take, a target that does not import: Hydra itself raised it (not for an
+        # error in the module's own code as it was imported, which Hydra passes on as the cause of its ImportError)
+        by_hydra = _raised_in_hydra(cause) and (cause.__cause__ is None or isinstance(cause.__cause__,
+                                                                                        ModuleNotFoundError))
         hint = f"; the keys of {group}.* are its arguments (--cfg job shows them)" if by_hydra and isinstance(
             cause, TypeError) else ""
         failure = ValueError(f"{group}._target_={section.get('_target_')} failed: {type(cause).__name__}: {what}{hint}")
-        # The line says all for a config mistake or a job's ValueError about its input; a fault in the job's own
-        # code keeps its traceback, which says where
-        failure.one_line = by_hydra or isinstance(cause, ValueError)
+        # The line says all for a config mistake, or for a job's message about its input (an error with a true
+        # `one_line`, launcher/task.py); a fault in the job's own code keeps its traceback, which says where
+        failure.one_line = by_hydra or bool(getattr(cause, "one_line", False))
         raise failure from error
+
+
+HYDRA_CODE = os.path.dirname(hydra.__file__) + os.sep
 
 
 def _raised_in_hydra(error: BaseException) -> bool:
@@ -42,7 +49,7 @@ def _raised_in_hydra(error: BaseException) -> bool:
     tb = error.__traceback__
     while tb is not None and tb.tb_next is not None:
         tb = tb.tb_next
-    return tb is not None and f"{os.sep}hydra{os.sep}" in tb.tb_frame.f_code.co_filename
+    return tb is not None and tb.tb_frame.f_code.co_filename.startswith(HYDRA_CODE)
 
 
 def check_task(task: Any, target: str) -> None:

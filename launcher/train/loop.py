@@ -227,7 +227,9 @@ def train(run: Run, progress: Progress, stop: StopFlag, final_eval: dict[str, fl
         summary["best"] = run.best.record(run.run_dir)
     if run.profiler.dir:
         summary["profile"] = str(run.profiler.dir)
-    run.log.summary(summary, ended_before)
+    # No rank ends before rank 0 has written summary.json (the trackers' end may take long: not waited for): by it
+    # a node's launcher tells a signal after the last step, no stop, from one before (launcher/launch/local.py)
+    run.log.summary(summary, ended_before, then=torch.distributed.barrier)
     return summary
 
 
@@ -252,7 +254,7 @@ def save_checkpoint(run: Run, progress: Progress, final_eval: dict[str, float] |
     write_model_files = getattr(run.task, "write_model_files", None)  # optional in the Task interface
     # The others wait in a collective while rank 0 writes and checksums: gigabytes to a shared file system can
     # take longer than dist.timeout_s, and NCCL's watchdog would end the waiting ranks (the save lost with them)
-    training_timeout(run.checkpoint_timeout_s)
+    training_timeout(max(run.checkpoint_timeout_s, run.timeout_s))
     try:
         checkpoint.save(run.run_dir, progress.step, run.module, train_state(run, progress, final_eval),
                         run.keep_checkpoints, run.env.device, also_keep=run.best.step,

@@ -17,7 +17,8 @@ from launcher.train.straggler import ComputeTimer
 # Dense peak FLOP/s per GPU for bf16/fp16 tensor cores (fp32 runs with train.tf32 use TF32, about half), by the
 # model in torch.cuda.get_device_name as a whole word, first match first: an A10G is not an A10, nor a GH200 an
 # H200, and a GPU not listed has no MFU rather than another one's peak
-PEAK_FLOPS = (("H100 PCIe", 756e12), ("H100 NVL", 835e12), ("H100", 989e12), ("H200", 989e12), ("H800", 989e12),
+PEAK_FLOPS = (("H100 PCIe", 756e12), ("H100 NVL", 835e12), ("H200 NVL", 835e12), ("H800 PCIe", 756e12),
+              ("H100", 989e12), ("H200", 989e12), ("H800", 989e12),
               ("GH200", 989e12), ("B200", 2250e12), ("A100", 312e12), ("L40S", 362e12), ("L40", 181e12),
               ("A10", 125e12), ("L4", 121e12), ("V100", 125e12), ("4090", 165e12))
 

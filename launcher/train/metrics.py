@@ -13,7 +13,7 @@ import signal
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from launcher.preempt import write_preempted
 from launcher.rundir import BEST_FILE, SUMMARY_FILE, ended_summary
@@ -131,17 +131,21 @@ class RunLog:
             how = "stopped" if signum == signal.SIGINT else "preempted"  # SIGINT: Ctrl-C
             self.info(f"{how} by signal {signum}: checkpoint saved at step {step}")
 
-    def summary(self, record: dict[str, Any], ended_before: bool = False) -> None:
+    def summary(self, record: dict[str, Any], ended_before: bool = False, then: Callable[[], Any] = lambda: None) -> None:
         """summary.json, the trackers' end and the table. `ended_before`: this start began after the run's final
-        save; when that start wrote its summary too, it stands (its time and throughput, one end in the trackers)."""
+        save; when that start wrote its summary too, it stands (its time and throughput, one end in the trackers).
+        `then` runs on every rank once summary.json is there (a collective that every rank enters)."""
         if not self.enabled:
+            then()
             return
         if ended_before and ended_summary(self.run_dir, record["steps"]):
+            then()
             self.close()
             print(f"done: the run had ended before this start ({self.run_dir / 'summary.json'} stands); final loss "
                   f"{_fmt(record['final_loss'])}", flush=True)
             return
         (self.run_dir / SUMMARY_FILE).write_text(json.dumps(record, indent=2) + "\n")
+        then()
         self._trackers.call("finish", record)
         self.close()
         from rich.console import Console
