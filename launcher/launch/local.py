@@ -44,22 +44,23 @@ def torchrun_args(config_path: Path, plan: Plan, launcher: DictConfig, rendezvou
             *torchrun_shutdown_args(launcher.shutdown_timeout_s), "--module", "launcher.train.worker", str(config_path)]
 
 
-def c10d_rendezvous(endpoint: str, rdzv_id: str) -> list[str]:
-    """torchrun's rendezvous arguments for a multi-node job: every node's agent meets at `endpoint`."""
-    return ["--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}", f"--rdzv-id={rdzv_id}"]
+def c10d_rendezvous(endpoint: str, rdzv_id: str, timeout_s: int) -> list[str]:
+    """torchrun's rendezvous arguments for a multi-node job: every node's agent meets at `endpoint`; its connection
+    and its wait for the other nodes (one that failed before its agent started) both end after `timeout_s`."""
+    return ["--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}", f"--rdzv-id={rdzv_id}",
+            f"--rdzv-conf=join_timeout={timeout_s},read_timeout={timeout_s}"]
 
 
 def local_rendezvous(plan: Plan, launcher: DictConfig, run_dir: Path) -> list[str]:
-    """--standalone on one node (a free localhost port); on several, c10d at launcher.rdzv_endpoint, whose
-    connection and wait for the other nodes both end after launcher.rdzv_timeout_s."""
+    """--standalone on one node (a free localhost port); on several, c10d at launcher.rdzv_endpoint (waits of
+    launcher.rdzv_timeout_s)."""
     if plan.nnodes == 1:
         return ["--standalone"]
     if launcher.node_rank is not None:  # static: node 0 serves the endpoint, every node names its own rank
         return ["--rdzv-backend=static", f"--rdzv-endpoint={launcher.rdzv_endpoint}",
                 f"--node-rank={launcher.node_rank}", f"--rdzv-conf=timeout={launcher.rdzv_timeout_s}"]
     rdzv_id = launcher.rdzv_id or "launcher-" + hashlib.sha256(str(run_dir).encode()).hexdigest()[:12]
-    timeout = launcher.rdzv_timeout_s
-    return [*c10d_rendezvous(launcher.rdzv_endpoint, rdzv_id), f"--rdzv-conf=join_timeout={timeout},read_timeout={timeout}"]
+    return c10d_rendezvous(launcher.rdzv_endpoint, rdzv_id, launcher.rdzv_timeout_s)
 
 
 def run_local(config_path: Path, plan: Plan, launcher: DictConfig, config: dict[str, Any]) -> int:
@@ -153,7 +154,7 @@ def run_agent(config_path: Path, plan: Plan, launcher: DictConfig, rendezvous: l
         if ended is not None and ended != summary_before and not (stop and stop.get("saved", True)):
             print(f"the run ended before {signal.Signals(err.sigval).name} could stop it: nothing to resume", file=sys.stderr)
             return 0  # (a fresh start deletes an earlier summary.json: only one written now counts)
-        if err.sigval in signals and read_preempted(run_dir) is None:  # they saved none: a requeue goes on all the same
+        if err.sigval in signals and stop is None:  # they saved none: a requeue goes on all the same
             write_preempted(run_dir, (complete_steps(run_dir) or [0])[-1], err.sigval, saved=False, started=started)
     except (RendezvousError, DistStoreError, DistNetworkError) as err:  # nobody serves the endpoint, nodes missing
         why = (str(err).strip().splitlines() or [type(err).__name__])[0]

@@ -102,9 +102,8 @@ class NodeTask(submitit.helpers.Checkpointable):
                 record_slurm_job(run_dir)  # job id, node list, requeue count: for a bug report
             # The first node's address, not its name: names need not resolve (emulated nodes, some clusters).
             host = os.environ.get("SLURM_LAUNCH_NODE_IPADDR") or env.hostnames[0]
-            rendezvous = [*c10d_rendezvous(f"{host}:{rendezvous_port(env.job_id, restart)}", f"{env.job_id}-{restart}"),
-                          # a node that fails before its agent starts ends the others' wait after this, not 600 s
-                          f"--rdzv-conf=join_timeout={cfg.launcher.rdzv_timeout_s},read_timeout={cfg.launcher.rdzv_timeout_s}"]
+            rendezvous = c10d_rendezvous(f"{host}:{rendezvous_port(env.job_id, restart)}", f"{env.job_id}-{restart}",
+                                         cfg.launcher.rdzv_timeout_s)
             code = run_agent(config_path, Plan(**cfg.plan), cfg.launcher, rendezvous)
         if code in (REQUEUE_EXIT_CODE, OUT_OF_MEMORY_EXIT_CODE):
             # After the agent, SIGTERM has submitit's handler again, which ignores it: the SIGTERM of Slurm's

@@ -5,6 +5,7 @@ Exercised by: `python -m launcher +exp=toy launcher=slurm` and tests/test_slurm.
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -71,7 +72,7 @@ def dependency(launcher: dict[str, Any]) -> str | None:
         if job_id is None:
             raise ConfigError(f"launcher.after={after} holds no {JOB_FILE}: name the run dir of a run submitted with "
                               f"launcher=slurm")
-        state = slurm_state(job_id)
+        state = after_state(job_id)
         # Ended without completing: Slurm's afterok would hold only while Slurm remembers the job (MinJobAge), and
         # then let this run start from one that never finished
         if state not in ACTIVE | {"COMPLETED", "UNKNOWN"} and not (after / SUMMARY_FILE).is_file():  # (it ended)
@@ -80,6 +81,13 @@ def dependency(launcher: dict[str, Any]) -> str | None:
         if state in ACTIVE or state == "UNKNOWN":  # UNKNOWN: neither sacct nor squeue answered; Slurm judges the id
             parts.append(f"afterok:{job_id}")
     return ",".join(parts) or None
+
+
+@functools.lru_cache
+def after_state(job_id: str) -> str:
+    """launcher.after's job's state, asked of Slurm once per launch: every sweep point checks it, and the submission
+    again (Slurm asks programs not to call sacct in a loop)."""
+    return slurm_state(job_id)
 
 
 def executor_parameters(launcher: dict[str, Any], plan: Plan, job_name: str) -> dict[str, Any]:
@@ -224,7 +232,8 @@ def print_plan(runs: list[Submission], params: dict[str, Any], folder: Path) -> 
     print("executor parameters: " + json.dumps(params, sort_keys=True))
     for run in runs:
         cfg = OmegaConf.load(run.config_path)
-        rendezvous = c10d_rendezvous("<first node address>:<port from the job id>", "<job id>-<requeue count>")
+        rendezvous = c10d_rendezvous("<first node address>:<port from the job id>", "<job id>-<requeue count>",
+                                     cfg.launcher.rdzv_timeout_s)
         args = torchrun_args(run.config_path, run.plan, cfg.launcher, rendezvous)
         print(f"run dir {run.run_dir}: {asdict(run.plan)}")
         print(f"  on each of {run.plan.nnodes} node(s): python -m torch.distributed.run {' '.join(args)}")
