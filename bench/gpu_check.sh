@@ -9,6 +9,7 @@
 #   bash bench/gpu_check.sh suite [PYTEST_ARG...]   # there: the rest of the suite with the GPU visible
 #   bash bench/gpu_check.sh bert                    # there: python -m launcher +exp=bert
 #   bash bench/gpu_check.sh bench [ARG...]          # there: python bench/compare.py ARG... --out $OUT/...
+#   bash bench/gpu_check.sh defaults [ARG...]       # there: python bench/defaults.py (no speed flags vs the loop)
 #   bash bench/gpu_check.sh memory [ARG...]         # there: python bench/activation_memory.py ARG... --out $OUT/...
 #   bash bench/gpu_check.sh profile [PRECISION [VARIANT,...]]  # there: raw loop and launcher, eager/compiled, profiled
 # The machine (torch, transformers, tensorboard, rich, safetensors, pytest preinstalled; ../shared/GPU.md)
@@ -25,11 +26,11 @@
 # Only 8 files come back from $OUT (16 MiB each): a part writes at most 5 there, so two parts fit one call.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-parts="prepare|setup|gpu|suite|bert|bench|memory|profile"
+parts="prepare|setup|gpu|suite|bert|bench|defaults|memory|profile"
 part=${1:?usage: bash bench/gpu_check.sh $parts [...]}
 shift
 case "$part" in  # a misspelt part stops here, before the installs spend a minute of the lease
-    prepare|setup|gpu|suite|bert|bench|memory|profile) ;;
+    prepare|setup|gpu|suite|bert|bench|defaults|memory|profile) ;;
     *) echo "unknown part $part: one of $parts" >&2; exit 2 ;;
 esac
 out=${OUT:-gpu-out}
@@ -77,7 +78,7 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$out/gpu
 python -c 'import torch, transformers; print("torch", torch.__version__, "cuda", torch.version.cuda,
     "transformers", transformers.__version__)' | tee "$out/versions.txt"
 
-no_mlflow=(--ignore=tests/test_tracking.py --ignore=tests/test_tracker_writes.py)  # they import MLflow
+no_mlflow=(--ignore=tests/test_tracking.py --ignore=tests/test_tracker_writes.py)  # they need MLflow to run
 # a hung test ends at 5 minutes instead of taking the whole call (pytest-timeout is on those machines)
 timeout=(); python -c 'import pytest_timeout' 2>/dev/null && timeout=(--timeout=300)
 case "$part" in
@@ -95,6 +96,8 @@ case "$part" in
           python -m launcher +exp=bert hydra.run.dir="$run_dir" 2>&1 | tee "$out/bert.log"
           cp "$run_dir/metrics.jsonl" "$out/bert-metrics.jsonl"; cp "$run_dir/summary.json" "$out/bert-summary.json" ;;
     bench) python bench/compare.py "$@" --out "$out/RESULTS-GPU.md" 2>&1 | tee "$out/bench.log" ;;
+    defaults) # issue 37: the launcher with no speed flags, its compiled restart, and eager per precision, beside the loop
+        python bench/defaults.py "$@" --out "$out/RESULTS-DEFAULTS.md" 2>&1 | tee "$out/defaults.log" ;;
     memory) # model.activation_checkpointing on BERT-base: peak memory, step time, and what auto's micro-batch becomes
         python bench/activation_memory.py "$@" --out "$out/RESULTS-ACTIVATION-MEMORY.md" 2>&1 | tee "$out/memory.log" ;;
     profile) # why compile pays or not, and where the launcher's step differs from the raw loop's: BERT-base at

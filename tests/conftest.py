@@ -1,11 +1,14 @@
 """Helpers shared by the tests: compose configs like the parent does, run the CLI and torchrun for real."""
 from __future__ import annotations
 
+import getpass
 import json
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 import torch
@@ -15,6 +18,9 @@ from safetensors.torch import load_file
 
 from launcher.launch.plan import make_plan, resolve, write_config
 from launcher.schema import register
+
+if TYPE_CHECKING:
+    from helpers import References
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 REPO = Path(__file__).resolve().parent.parent
@@ -34,9 +40,16 @@ def on_the_cpu_plan(args: tuple[str, ...] | list[str]) -> list[str]:
     return [*args[:flags], CPU_PLAN, *args[flags:]]
 
 
+# One inductor cache for every compiled run of the suite, as a user's own TORCHINDUCTOR_CACHE_DIR (the launcher
+# then keeps torch's artifacts in each run dir): by default a CPU plan compiles into its run dir's cache, cold in
+# every new run dir (tests/test_fast_defaults.py runs that default)
+SHARED_INDUCTOR_CACHE = os.path.join(tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}")
+
+
 def subprocess_env(**extra: str) -> dict[str, str]:
     # No hub at test time: everything loads from local dirs (a hub id fails fast instead of hanging).
-    env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", **extra}
+    env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1",
+           "TORCHINDUCTOR_CACHE_DIR": SHARED_INDUCTOR_CACHE, **extra}
     env.pop("HYDRA_FULL_ERROR", None)
     return env
 
@@ -112,3 +125,24 @@ def tiny_bert(tmp_path_factory: pytest.TempPathFactory) -> Path:
     BertForMaskedLM(config).save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
+
+
+# Fixtures that several test modules share. tests/helpers.py imports this module, so these import helpers in
+# their bodies: at the top, helpers would find this module half-run, without the names it imports from it.
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> References:
+    """The resume tests' uninterrupted runs, trained when first asked for (tests/helpers.py's References)."""
+    from helpers import References
+
+    return References(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def empty_store(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """An embedded store whose tables exist: creating them takes seconds, once is enough (the first test
+    lets the launcher create its own). store() imports MLflow: only a test that asks for the fixture needs it."""
+    from helpers import store
+
+    cwd = tmp_path_factory.mktemp("store")
+    store(cwd).search_experiments()
+    return cwd / "runs" / "mlflow.db"

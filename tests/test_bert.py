@@ -12,9 +12,9 @@ import torch
 import transformers
 
 from conftest import read_metrics, run_cli
+from helpers import probe
 from jobs.activation_checkpointing import checkpoint_activations
 from jobs.bert import MaskedLM, TextClassification, classification_model, masked_lm_model
-from test_distributed_math import probe
 
 pytestmark = pytest.mark.slow
 

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 
 from conftest import read_metrics, run_cli, subprocess_env
+from helpers import COMMON, DROPOUT, bitwise_equal, finish, start, weights
 from launcher.rundir import complete_steps
 from launcher.train import checkpoint
-from test_resume import COMMON, DROPOUT, bitwise_equal, finish, start, weights
 
 pytestmark = pytest.mark.slow
 

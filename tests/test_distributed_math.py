@@ -9,31 +9,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
-from conftest import REPO, run_cli, run_torchrun, write_run_config
+from helpers import assert_params_close, probe, train_cli
 
 pytestmark = pytest.mark.slow
-PROBE = REPO / "tests" / "probe_worker.py"
-FLOAT64_SGD = ("+exp=toy", "data.dtype=float64", "optimizer=sgd", "train.log_every=1", "train.eval_every=0")
-
-
-def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
-    (step_dir,) = (run_dir / "checkpoints").iterdir()
-    return load_file(step_dir / "model.safetensors")
-
-
-def train_cli(run_dir: Path, *overrides: str) -> dict[str, torch.Tensor]:
-    out = run_cli(*FLOAT64_SGD, f"hydra.run.dir={run_dir}", *overrides, cwd=run_dir.parent)
-    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
-    return final_weights(run_dir)
-
-
-def assert_params_close(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], rtol: float) -> None:
-    assert a.keys() == b.keys()
-    for name in a:
-        assert a[name].dtype == torch.float64
-        torch.testing.assert_close(a[name], b[name], rtol=rtol, atol=0.0, msg=name)
 
 
 def test_world_and_accumulation_do_not_change_the_trajectory(tmp_path: Path) -> None:
@@ -80,13 +59,6 @@ def test_mean_over_k_would_be_wrong_on_a_short_window() -> None:
     by_k = grad(lambda: sum(((model(a) - b) ** 2).mean() for a, b in chunks) / 4)
     torch.testing.assert_close(by_items, one_batch, rtol=1e-12, atol=0)
     assert not torch.allclose(by_k, one_batch, rtol=1e-3)
-
-
-def probe(run_dir: Path, nproc: int, mode: str, *overrides: str, inf_step: int = -1, exp: str = "toy") -> list[dict]:
-    """Write the run config as the parent would, run the probe on `nproc` real ranks, read each rank's record."""
-    config = write_run_config(run_dir, f"+exp={exp}", f"launcher.nproc_per_node={nproc}", *overrides)
-    run_torchrun(nproc, PROBE, str(config), mode, str(inf_step))
-    return [torch.load(run_dir / f"probe_rank{r}.pt", weights_only=True) for r in range(nproc)]
 
 
 def same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:

@@ -1,6 +1,7 @@
 """The layout rules of ../shared/DESIGN.md and STYLE.md, read from the source: launcher/ (how) never imports
 jobs/ (what) and jobs/ nothing of launcher/ (the config names the job, a task is duck-typed), every file is at
-most 300 lines, and every module starts with a docstring saying what it is for."""
+most 300 lines, every module starts with a docstring saying what it is for, and no test module imports another
+(what several share is in tests/helpers.py and tests/conftest.py)."""
 from __future__ import annotations
 
 import ast
@@ -39,3 +40,16 @@ def test_files_are_short_and_say_what_they_are_for() -> None:
     undocumented = [str(p.relative_to(REPO)) for p, tree in trees.items()
                     if p.name != "__init__.py" and not ast.get_docstring(tree)]
     assert not long and not undocumented, (long, undocumented)
+
+
+def test_test_modules_do_not_import_each_other() -> None:
+    """A test module that imports another needs that one's imports too: test_stop_signals.py took MLflow from
+    test_tracking.py, so `pytest -m gpu` failed to collect where MLflow is not installed."""
+    importing = {}
+    for path, tree in modules().items():
+        if path.parent == REPO / "tests" and path.name.startswith("test_"):
+            names = {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
+            names |= {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module}
+            if found := sorted(name for name in names if name.split(".")[0].startswith("test_")):
+                importing[str(path.relative_to(REPO))] = found
+    assert not importing, importing

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from conftest import read_metrics, run_cli
-from test_distributed_math import probe
+from helpers import probe
 
 pytestmark = pytest.mark.slow
 

@@ -7,9 +7,7 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -17,26 +15,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import on_the_cpu_plan, run_cli, subprocess_env
-from test_resume import children
+from conftest import run_cli
+from helpers import NODES_COMMON as COMMON
+from helpers import children, free_port, node
 
 pytestmark = pytest.mark.slow
-COMMON = ("+exp=toy", "model.dtype=float64", "data.dtype=float64", "train.max_steps=12", "train.eval_every=0",
-          "train.global_batch_size=16", "train.micro_batch_size=4")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def node(run_dir: Path, port: int, *overrides: str) -> subprocess.Popen:
-    args = on_the_cpu_plan([*COMMON, "launcher.nnodes=2", "launcher.nproc_per_node=1",
-                            f"launcher.rdzv_endpoint=127.0.0.1:{port}", "launcher.rdzv_timeout_s=60", *overrides,
-                            f"hydra.run.dir={run_dir}"])
-    return subprocess.Popen([sys.executable, "-m", "launcher", *args], cwd=run_dir.parent, env=subprocess_env(),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 def finish(proc: subprocess.Popen) -> tuple[int, str]:

@@ -11,120 +11,18 @@ import random
 import re
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
-from conftest import on_the_cpu_plan, read_metrics, run_cli, subprocess_env
+from conftest import read_metrics, run_cli
+from helpers import (COMMON, DROPOUT, FP16, SLOW, STEPS, bitwise_equal, finish, logged_step, preempt, sample_stream, start,
+                     wait_until, weights, worker_pid)
 from launcher.preempt import REQUEUE_EXIT_CODE
 
 pytestmark = pytest.mark.slow
-STEPS = 120
-COMMON = ("+exp=toy", f"train.max_steps={STEPS}", "train.log_every=1", "train.eval_every=0",
-          "train.ckpt_every=20", "train.log_samples=true", "train.global_batch_size=16",
-          "train.micro_batch_size=4")
-SLOW = ("data.sleep_s=0.01",)  # about 25 ms per step on 2 ranks: time to signal mid-run
-FP16 = ("precision=fp16", "precision.init_scale=1048576", "precision.growth_interval=5")
-DROPOUT = ("model.dropout=0.3",)  # every forward draws from its rank's random stream
-
-
-def start(run_dir: Path, *overrides: str, env: dict[str, str] | None = None) -> subprocess.Popen:
-    args = on_the_cpu_plan([*COMMON, *overrides, f"hydra.run.dir={run_dir}"])
-    return subprocess.Popen([sys.executable, "-m", "launcher", *args],
-                            cwd=run_dir.parent, env=env or subprocess_env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
-
-
-def finish(proc: subprocess.Popen, expect: int) -> str:
-    out, err = proc.communicate(timeout=300)
-    assert proc.returncode == expect, out[-2000:] + err[-4000:]
-    return out + err
-
-
-def wait_until(condition, timeout: float = 120) -> None:
-    deadline = time.time() + timeout
-    while not condition():
-        assert time.time() < deadline, "timed out"
-        time.sleep(0.05)
-
-
-def logged_step(run_dir: Path) -> int:
-    try:
-        return max((m["step"] for m in read_metrics(run_dir)), default=0)
-    except (FileNotFoundError, json.JSONDecodeError):  # not there yet, or a line half-written
-        return 0
-
-
-def weights(run_dir: Path, step: int = STEPS) -> dict[str, torch.Tensor]:
-    return load_file(run_dir / "checkpoints" / str(step) / "model.safetensors")
-
-
-def bitwise_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
-    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-
-
-def sample_stream(run_dir: Path) -> list[tuple[int, list[int]]]:
-    lines = (run_dir / "samples.jsonl").read_text().splitlines()
-    return [(r["step"], r["sample_ids"]) for r in map(json.loads, lines)]
-
-
-def children(parent: int) -> list[int]:
-    """The pids of the processes whose parent is `parent` (a launcher's workers are its children)."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        try:
-            if entry.name.isdigit() and int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == parent:
-                found.append(int(entry.name))
-        except (OSError, ValueError, IndexError):  # gone meanwhile
-            continue
-    return found
-
-
-def worker_pid(parent: int, rank: int) -> int:
-    """The pid of the worker process with RANK=rank started by the launcher `parent`."""
-    for pid in children(parent):
-        try:
-            if f"RANK={rank}".encode() in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
-                return pid
-        except OSError:
-            continue
-    raise LookupError(f"no rank {rank} worker under {parent}")
-
-
-class References(dict):
-    """Uninterrupted runs (fp32, fp16, with dropout), each trained when a test first asks for it: a
-    selection of the tests (CI's torch-floor run, tests/test_torch_floor.py) trains only what it compares."""
-
-    def __init__(self, tmp_path_factory: pytest.TempPathFactory) -> None:
-        super().__init__()
-        self.tmp_path_factory = tmp_path_factory
-
-    def __missing__(self, name: str) -> Path:
-        run_dir = self.tmp_path_factory.mktemp("reference") / name
-        finish(start(run_dir, *{"fp32": (), "fp16": FP16, "dropout": DROPOUT}[name]), 0)
-        self[name] = run_dir
-        return run_dir
-
-
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory: pytest.TempPathFactory) -> References:
-    return References(tmp_path_factory)
-
-
-def preempt(run_dir: Path, sig: signal.Signals, *extra: str, env: dict[str, str] | None = None) -> int:
-    """Start a slow run, signal the launcher process (only it) mid-run; returns the preemption step."""
-    proc = start(run_dir, *SLOW, *extra, env=env)
-    wait_until(lambda: logged_step(run_dir) >= random.randint(25, 45))
-    proc.send_signal(sig)
-    out = finish(proc, REQUEUE_EXIT_CODE)
-    step = json.loads((run_dir / "preempted.json").read_text())["step"]
-    assert (run_dir / "checkpoints" / str(step) / "COMPLETE").exists()
-    assert f"by {sig.name}: checkpoint saved at step {step}; relaunch with hydra.run.dir={run_dir}" in out
-    return step
 
 
 def test_sigkill_of_one_rank_restarts_the_group_and_loses_nothing(tmp_path: Path, reference) -> None:

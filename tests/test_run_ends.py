@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from conftest import read_metrics, subprocess_env
+from helpers import finish, start
 from launcher.rundir import complete_steps
-from test_resume import finish, start
 
 pytestmark = pytest.mark.slow
 FOUR = ("train.max_steps=4",)

@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, run_cli, subprocess_env
+from helpers import finish, logged_step, start, wait_until, worker_pid
 from launcher.launch.run_lock import launch_lock, lock_holder
 from launcher.preempt import REQUEUE_EXIT_CODE
-from test_resume import finish, logged_step, start, wait_until, worker_pid
 
 HOLD = "import sys, time; from pathlib import Path; from launcher.launch.run_lock import launch_lock\n" \
        "with launch_lock(Path(sys.argv[1])) as holder:\n    assert holder is None; print('held', flush=True); " \

@@ -18,6 +18,7 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import REPO, assert_same_float64_weights, read_metrics, run_cli, subprocess_env
+from helpers import store
 from launcher.launch.run_lock import launch_lock, lock_holder
 from launcher.launch.slurm import ACTIVE, slurm_state
 
@@ -288,7 +289,6 @@ def test_a_job_whose_run_dir_is_in_use_when_it_starts_trains_nothing(cluster, tm
 
 def test_what_sbatch_refuses_is_one_line_and_leaves_nothing(cluster, tmp_path: Path) -> None:
     """A partition the cluster has not: a traceback (exit 1) left the run dir and a RUNNING MLflow run behind."""
-    from test_tracking import store
     out = run_cli(*TOY, "launcher=slurm", "launcher.partition=nope", "logger=[mlflow]",
                   f"hydra.run.dir={tmp_path / 'runs' / 'run'}", cwd=tmp_path)
     assert out.returncode == 2 and out.stderr.strip().splitlines() == [

@@ -15,11 +15,9 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, subprocess_env
+from helpers import finish, free_port, logged_step, node, start, store, wait_until
 from launcher.compat import TORCHRUN_SHUTDOWN_TIMEOUT
 from launcher.preempt import REQUEUE_EXIT_CODE
-from test_many_nodes import free_port, node
-from test_resume import finish, logged_step, start, wait_until
-from test_tracking import store
 
 pytestmark = pytest.mark.slow
 # Steps of 6 s (2 micro-batches of 3 s), a checkpoint after each: a stop asked for early in step 2 cannot be

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from conftest import REPO, subprocess_env
-from test_resume import SLOW, bitwise_equal, finish, preempt, reference, sample_stream, start, weights  # noqa: F401
+from helpers import SLOW, bitwise_equal, finish, preempt, sample_stream, start, weights
 
 pytestmark = pytest.mark.slow
 FLOOR_ENV = subprocess_env(PYTHONPATH=f"{REPO / 'tests' / 'torch_floor'}{os.pathsep}{REPO}")

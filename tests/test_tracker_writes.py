@@ -6,14 +6,17 @@ from __future__ import annotations
 
 import sqlite3
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
-from mlflow import MlflowClient
 
 from conftest import run_cli
+from helpers import ONE, TOY, with_store
 from launcher.mlflow_tracker import MlflowTracker
 from launcher.tracker import Resume, Trackers
-from test_tracking import ONE, TOY, empty_store, with_store  # noqa: F401 (empty_store: a fixture)
+
+if TYPE_CHECKING:  # an optional package, imported where used: `pytest -m gpu` collects this file without it
+    from mlflow import MlflowClient
 
 pytestmark = pytest.mark.slow
 

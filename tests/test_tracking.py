@@ -5,47 +5,28 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import struct
 import subprocess
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
-from mlflow import MlflowClient
-from wandb.proto import wandb_internal_pb2
 
 from conftest import on_the_cpu_plan, read_metrics, run_cli, subprocess_env
+from helpers import ONE, TOY, logged_step, store, wait_until, with_store, worker_pid
 from launcher.preempt import REQUEUE_EXIT_CODE
 from launcher.tracker import Tracker, Trackers, flat_params
-from test_resume import logged_step, wait_until, worker_pid
+
+if TYPE_CHECKING:  # optional packages, imported where used: `pytest -m gpu` collects this file without them
+    from mlflow import MlflowClient
+    from wandb.proto import wandb_internal_pb2
 
 pytestmark = pytest.mark.slow
-TOY = ("+exp=toy", "train.max_steps=20", "train.log_every=5", "train.eval_every=10")
-ONE = "launcher.nproc_per_node=1"  # where the world size does not matter: fewer processes on a small machine
 SECRETS = {"WANDB_API_KEY": "wb-secret-0123456789", "MLFLOW_TRACKING_PASSWORD": "mlflow-secret-42",
            "MLFLOW_TRACKING_USERNAME": "alice-secret-user"}
 SETUP_SECRET = "hf-setup-secret-77"  # in a launcher.setup line: config.yaml needs it (Slurm runs it), no tracker does
-
-
-def store(cwd: Path) -> MlflowClient:
-    return MlflowClient(f"sqlite:///{cwd / 'runs' / 'mlflow.db'}")  # the embedded default, under the cwd
-
-
-@pytest.fixture(scope="module")
-def empty_store(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """An embedded store whose tables exist: creating them takes seconds, once is enough (the first test
-    lets the launcher create its own)."""
-    cwd = tmp_path_factory.mktemp("store")
-    store(cwd).search_experiments()
-    return cwd / "runs" / "mlflow.db"
-
-
-def with_store(cwd: Path, empty_store: Path) -> MlflowClient:
-    (cwd / "runs").mkdir()
-    shutil.copy(empty_store, cwd / "runs" / "mlflow.db")
-    return store(cwd)
 
 
 def losses(run_dir: Path) -> dict[int, float]:
@@ -63,6 +44,8 @@ def latest_per_step(client: MlflowClient, run_id: str, key: str) -> dict[int, fl
 
 def wandb_records(path: Path) -> list[wandb_internal_pb2.Record]:
     """The records of an offline run's .wandb file (a LevelDB-style log: 32 KiB blocks of chunks)."""
+    from wandb.proto import wandb_internal_pb2
+
     data, records, chunk, pos = path.read_bytes(), [], b"", 7  # after the ":W&B" header, version and magic
     assert data[:4] == b":W&B"
     while pos + 7 <= len(data):
