@@ -17,6 +17,7 @@ from omegaconf import MISSING, OmegaConf
 
 
 class PrecisionName(str, Enum):
+    auto = "auto"  # bf16 on CUDA GPUs that have it (compute capability >= 8.0), fp16 on older ones, fp32 on CPU
     fp32 = "fp32"
     bf16 = "bf16"
     fp16 = "fp16"
@@ -63,15 +64,20 @@ class TrainConfig:
     num_workers: int = 0  # DataLoader worker processes per rank
     persistent_workers: bool = True  # keep them between epochs of the loader (with num_workers > 0)
     prefetch_factor: int = 2  # windows each worker prepares ahead
-    compile: bool = False  # torch.compile the model (DDP wraps the compiled module: gradients still sync)
+    # torch.compile the model (DDP wraps the compiled module: gradients still sync); auto: on CUDA plans (a model
+    # that cannot compile then trains eagerly, saying why), eager on CPU plans; true: a failure to compile is an error
+    compile: Union[bool, str] = "auto"
     # torch.compile's mode: null (torch's default), default, max-autotune-no-cudagraphs, or the CUDA-graph
     # modes reduce-overhead and max-autotune (only without gradient accumulation: pytorch#169545)
     compile_mode: Optional[str] = None
     compile_dynamic: Optional[bool] = None  # null: static shapes, dynamic after the first shape change
     compile_fullgraph: bool = False  # a graph break is an error instead of a warning
-    # null: torch's default, the graph cut at DDP's gradient buckets so each bucket's all-reduce overlaps the
-    # backward; false: one graph (fusion across the whole model; the all-reduce waits for the backward)
+    # null: one graph on one node (fusion across the whole model; the all-reduce follows the backward), cut at
+    # DDP's gradient buckets on several nodes (each bucket's all-reduce overlaps the backward); true/false forces it
     compile_ddp_split: Optional[bool] = None
+    # keep the compiled kernels in <run_dir>/compile_cache/, loaded by the run's next start (a restart, a
+    # requeue on a node with an empty cache compiles nothing again)
+    compile_cache: bool = True
     tf32: bool = True  # TF32 matmuls on Ampere+ GPUs
     # null, warn or error: report what makes a steady step wait for the GPU (a diagnostic: it slows the
     # steps it checks; on the CPU it finds what would sync on a GPU)
@@ -84,7 +90,7 @@ class TrainConfig:
 
 @dataclass
 class PrecisionConfig:
-    name: PrecisionName = PrecisionName.fp32
+    name: PrecisionName = PrecisionName.auto
     init_scale: float = 65536.0  # fp16 GradScaler only
     growth_interval: int = 2000  # fp16 GradScaler only
 

@@ -9,6 +9,8 @@ from omegaconf import OmegaConf
 
 from conftest import CONF, compose_config
 from launcher.derived import ConfigError
+from launcher.launch import plan as plan_module
+from launcher.launch.gpus import Gpu
 from launcher.launch.plan import make_plan, resolve
 
 GROUPS = ["model", "optimizer", "scheduler", "precision", "data", "launcher", "logger"]
@@ -59,18 +61,23 @@ def test_exp_group_is_not_in_the_defaults() -> None:
     assert compose_config("+exp=toy").name == "toy"
 
 
-def test_bf16_is_refused_where_a_gpu_is_older_than_ampere(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The parent reads each GPU's compute capability: torch.cuda.is_bf16_supported() says yes on a V100
-    (emulated), after putting a tensor on it. This host's GPUs are stood in for: two, the second a V100."""
-    capabilities = [(9, 0), (7, 0)]
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: len(capabilities))
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: capabilities[device])
+def test_bf16_is_refused_where_a_gpu_is_older_than_ampere_and_auto_picks_for_the_oldest(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The parent reads each GPU's compute capability through NVML (launcher/launch/gpus.py): torch.cuda's
+    is_bf16_supported() says yes on a V100 (emulated), after putting a tensor on it. This host's GPUs are stood
+    in for: two, the second a V100. precision=auto takes fp16 there, bf16 where every GPU has it."""
+    gpus = [Gpu("NVIDIA H100 80GB HBM3", (9, 0)), Gpu("Tesla V100-SXM2-16GB", (7, 0))]
+    monkeypatch.setattr(plan_module, "visible_gpus", lambda: list(gpus))
     bf16_on_gpus = ("+exp=toy", "launcher.device=cuda", "precision=bf16")
-    with pytest.raises(ConfigError, match=r"^precision=bf16 needs an Ampere or newer GPU; use precision=fp16 here$"):
+    with pytest.raises(ConfigError, match=r"^precision=bf16 needs an Ampere or newer GPU; use precision=fp16 here, "
+                                          r"or precision=auto$"):
         make_plan(compose_config(*bf16_on_gpus))
     assert make_plan(compose_config(*bf16_on_gpus, "launcher.nproc_per_node=1")).device_type == "cuda"  # the H100 alone
-    capabilities[1] = (8, 0)  # an A100
+    assert make_plan(compose_config("+exp=toy", "launcher.device=cuda")).auto == {
+        "precision": "fp16", "compile": True, "compile_ddp_split": False}
+    gpus[1] = Gpu("NVIDIA A100-SXM4-80GB", (8, 0))
     assert make_plan(compose_config(*bf16_on_gpus)).nproc_per_node == 2
+    assert make_plan(compose_config("+exp=toy", "launcher.device=cuda")).auto["precision"] == "bf16"
 
 
 @pytest.mark.parametrize("given, sbatch", [(None, "requeue"), ("no_requeue=true", "no_requeue"),

@@ -47,6 +47,19 @@ def write_launch_record(run_dir: Path, plan: Plan) -> None:
     (run_dir / LAUNCH_FILE).write_text(json.dumps(record, indent=2) + "\n")
 
 
+def speed_line(config: dict, plan: Plan) -> str:
+    """Precision and compile as the workers will run them, and which of them precision=auto / train.compile=auto
+    chose: `precision bf16 (auto) | compiled (auto), one graph`."""
+    auto = plan.auto or {}
+    train = config["train"]
+    name = config['precision']['name']
+    precision = f"precision {name}{' (auto)' if 'precision' in auto else ''}{' (chosen on the nodes)' if name == 'auto' else ''}"
+    mode = "compiled" if train["compile"] is True else "eager"
+    split = {True: ", cut at DDP's buckets", False: ", one graph"}.get(train["compile_ddp_split"], "") \
+        if train["compile"] is True else ""
+    return f"{precision} | {mode}{' (auto)' if 'compile' in auto else ''}{split}"
+
+
 def discard_if_fresh(run_dir: Path) -> None:
     """Leave no half-made run dir behind a config error; never touch one that holds a run."""
     if run_dir.is_dir() and {p.name for p in run_dir.iterdir()} <= FRESH_RUN_DIR:
@@ -113,7 +126,8 @@ def launch(cfg: DictConfig, run_dir: Path) -> None:
         return
     resuming = "" if resume_step is None else f" | resuming (latest checkpoint: step {resume_step})"
     print(f"run dir {run_dir} | {plan.world_size} worker(s) on {plan.device_type} | "
-          f"grad accum {plan.grad_accum_steps or 'auto (the workers find the micro-batch)'}{resuming}", flush=True)
+          f"grad accum {plan.grad_accum_steps or 'auto (the workers find the micro-batch)'} | "
+          f"{speed_line(config, plan)}{resuming}", flush=True)
     if cfg.launcher.dry_run:  # the config is written and checked; show what would run, start nothing
         args = torchrun_args(config_path, plan, cfg.launcher, local_rendezvous(plan, cfg.launcher, run_dir))
         print(f"dry run: would run python -m torch.distributed.run {' '.join(args)}", flush=True)

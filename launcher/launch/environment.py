@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from launcher.launch.gpus import driver_version, visible_gpus
 from launcher.redact import redact
 from launcher.rundir import LAUNCH_FILE, write_atomically
 
@@ -47,15 +48,6 @@ def code_state(run_dir: Path) -> dict[str, Any]:
     return state
 
 
-def _driver() -> str | None:
-    try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                             capture_output=True, text=True, timeout=10)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    return out.stdout.strip().splitlines()[0] if out.returncode == 0 and out.stdout.strip() else None
-
-
 def _nccl() -> str | None:
     try:
         version = torch.cuda.nccl.version()  # (2, 21, 5), or an int on some builds
@@ -64,20 +56,13 @@ def _nccl() -> str | None:
     return ".".join(map(str, version)) if isinstance(version, tuple) else str(version)
 
 
-def _gpus() -> list[str]:
-    try:
-        return [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
-    except Exception:  # a broken driver is the workers' problem to report, not a reason to stop here
-        return []
-
-
 def environment_record(run_dir: Path) -> dict[str, Any]:
-    gpus = _gpus()
+    gpus = [gpu.name for gpu in visible_gpus()]  # NVML: no CUDA context, no nvidia-smi process (launcher/launch/gpus.py)
     return {
         "git": code_state(run_dir),
         "torch": torch.__version__, "cuda": torch.version.cuda,
         "nccl": _nccl() if gpus else None,
-        "gpus": gpus, "driver": _driver() if gpus else None,
+        "gpus": gpus, "driver": driver_version() if gpus else None,
         "env": {name: redact(name, value) for name, value in sorted(os.environ.items())
                 if name.startswith(ENV_PREFIXES)},
         "packages": dict(sorted((dist.metadata["Name"] or "?", dist.version)

@@ -11,10 +11,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
 from omegaconf import DictConfig, OmegaConf
 
-from launcher.derived import COMPILE_MODES, CUDA_GRAPH_MODES, ConfigError, grad_accum_steps
+from launcher.derived import COMPILE_MODES, CUDA_GRAPH_MODES, ConfigError, auto_ddp_split, auto_precision, grad_accum_steps
+from launcher.launch.gpus import visible_gpus
 from launcher.preempt import signal_named
 from launcher.rundir import write_atomically
 
@@ -27,6 +27,9 @@ class Plan:
     grad_accum_steps: int | None  # None: train.micro_batch_size=auto, decided by the workers
     device_type: str  # "cuda" or "cpu"
     min_nnodes: int | None = None  # elastic (launcher.nnodes=MIN:MAX): the run may go on with this many nodes
+    # what precision=auto and train.compile=auto chose ({"precision": "bf16", "compile": true}); a Slurm job's
+    # precision is chosen on its nodes, by the workers (the submit host cannot see the cluster's GPUs)
+    auto: dict[str, Any] | None = None
 
 
 def _require_positive(cfg: DictConfig, *keys: str) -> None:
@@ -42,9 +45,10 @@ def _require_one_of(cfg: DictConfig, key: str, *options: str | None) -> None:
         raise ConfigError(f"{key}={OmegaConf.select(cfg, key)} is not one of {names}")
 
 
-def _shape(cfg: DictConfig) -> tuple[int, int, int, str]:
-    """(fewest nodes, nodes, workers per node, device type) for this launcher: fewer nodes only with an
-    elastic launcher.nnodes=MIN:MAX; the device is decided here, once."""
+def _shape(cfg: DictConfig) -> tuple[int, int, int, str, list[tuple[int, int]] | None]:
+    """(fewest nodes, nodes, workers per node, device type, the GPUs' compute capabilities or None where unknown
+    here) for this launcher: fewer nodes only with an elastic launcher.nnodes=MIN:MAX; the device is decided
+    here, once."""
     launcher = cfg.launcher
     device = getattr(launcher.device, "value", launcher.device)  # an Enum when typed
     if launcher.name == "slurm":  # the submit host's GPUs say nothing about the cluster's
@@ -74,7 +78,7 @@ def _shape(cfg: DictConfig) -> tuple[int, int, int, str]:
             raise ConfigError("launcher.nnodes and launcher.rdzv_endpoint are for launcher=local on several machines; "
                               "on Slurm set launcher.nodes (the rendezvous is the job's first node)")
         nproc = gpus or launcher.nproc_per_node or 2
-        return launcher.nodes, launcher.nodes, nproc, "cuda" if gpus else "cpu"
+        return launcher.nodes, launcher.nodes, nproc, "cuda" if gpus else "cpu", None if gpus else []
     for key in ("dependency", "after"):
         if launcher.name == "local" and launcher[key]:
             raise ConfigError(f"launcher.{key} orders Slurm jobs; add launcher=slurm, or drop launcher.{key}")
@@ -82,23 +86,40 @@ def _shape(cfg: DictConfig) -> tuple[int, int, int, str]:
         raise ConfigError(f"launcher.name={launcher.name} is not one of local, slurm; pick launcher=local or "
                           f"launcher=slurm")
     fewest, nnodes = local_nodes(cfg)
-    gpus = torch.cuda.device_count()
+    found = visible_gpus() if device != "cpu" else []  # no CUDA context here (launcher/launch/gpus.py)
+    gpus = len(found)
     if device == "cuda" and not gpus:
-        raise ConfigError("launcher.device=cuda but torch sees no GPU on this node (torch.cuda.device_count() "
-                          "is 0); use launcher.device=auto or launcher.device=cpu")
+        raise ConfigError("launcher.device=cuda but this node has no visible GPU (NVML, or torch.cuda.device_count(), says "
+                          "0); use launcher.device=auto or launcher.device=cpu")
     device = device if device != "auto" else ("cuda" if gpus else "cpu")
     if device == "cpu":  # the GPUs, if any, are hidden from these workers
-        return fewest, nnodes, launcher.nproc_per_node or 2, "cpu"
+        return fewest, nnodes, launcher.nproc_per_node or 2, "cpu", []
     nproc = launcher.nproc_per_node or gpus
     if nproc > gpus:
         raise ConfigError(f"launcher.nproc_per_node={nproc} but this node has {gpus} GPU(s); "
                           f"set launcher.nproc_per_node<={gpus}, or launcher.device=cpu for CPU workers")
-    precision = getattr(cfg.precision.name, "value", cfg.precision.name)  # Enum when typed
     # Compute capability, not torch.cuda.is_bf16_supported(): that counts emulation (True on a V100), and
     # finds it out by putting a tensor on the GPU, a CUDA context this process would hold for the whole run.
-    if precision == "bf16" and min(torch.cuda.get_device_capability(i) for i in range(nproc)) < (8, 0):
-        raise ConfigError("precision=bf16 needs an Ampere or newer GPU; use precision=fp16 here")
-    return fewest, nnodes, nproc, "cuda"
+    return fewest, nnodes, nproc, "cuda", [gpu.capability for gpu in found[:nproc]]
+
+
+def _choose(cfg: DictConfig, device_type: str, capabilities: list[tuple[int, int]] | None, nnodes: int) -> dict[str, Any]:
+    """precision=auto and train.compile=auto for this hardware (see launcher/derived.py), and the explicit
+    precision checked against it; what auto chose."""
+    precision = getattr(cfg.precision.name, "value", cfg.precision.name)  # Enum when typed
+    if precision == "bf16" and capabilities and min(capabilities) < (8, 0):
+        raise ConfigError("precision=bf16 needs an Ampere or newer GPU; use precision=fp16 here, or precision=auto")
+    chosen: dict[str, Any] = {}
+    if precision == "auto" and capabilities is not None:
+        chosen["precision"] = auto_precision(device_type, capabilities)
+    compile_ = cfg.train.compile
+    if compile_ not in (True, False, "auto"):
+        raise ConfigError(f"train.compile={compile_} is not one of true, false, auto")
+    if compile_ == "auto":
+        chosen["compile"] = device_type == "cuda"
+    if cfg.train.compile_ddp_split is None and chosen.get("compile", compile_) is True:
+        chosen["compile_ddp_split"] = auto_ddp_split(nnodes)
+    return chosen
 
 
 def local_nodes(cfg: DictConfig) -> tuple[int, int]:
@@ -140,7 +161,8 @@ def make_plan(cfg: DictConfig) -> Plan:
     if signal_named(cfg.launcher.signal) in (None, signal.SIGKILL, signal.SIGSTOP):
         raise ConfigError(f"launcher.signal={cfg.launcher.signal} is not a signal that can be caught; "
                           f"use USR2 (the default), USR1 or TERM")
-    fewest, nnodes, nproc, device_type = _shape(cfg)
+    fewest, nnodes, nproc, device_type, capabilities = _shape(cfg)
+    auto = _choose(cfg, device_type, capabilities, nnodes)
     _require_one_of(cfg, "train.sync_check", None, "warn", "error")
     _require_one_of(cfg, "train.best_mode", None, "max", "min")
     if cfg.train.best_mode and not cfg.train.best_metric:
@@ -161,25 +183,26 @@ def make_plan(cfg: DictConfig) -> Plan:
     _check_profile(cfg.train.profile, list(cfg.train.profile_ranks), cfg.train.max_steps, world_size)
     # elastic: every world the run may go on with must divide the batch (the last one is this plan's)
     accumulations = {nodes * nproc: _accumulation(cfg, nodes * nproc) for nodes in range(fewest, nnodes + 1)}
-    _check_compile(cfg.train, accumulations)
+    _check_compile(cfg.train, auto.get("compile", cfg.train.compile), accumulations)
     return Plan(nnodes=nnodes, nproc_per_node=nproc, world_size=world_size,
                 grad_accum_steps=accumulations[world_size], device_type=device_type,
-                min_nnodes=fewest if fewest < nnodes else None)
+                min_nnodes=fewest if fewest < nnodes else None, auto=auto or None)
 
 
-def _check_compile(train: DictConfig, accumulations: dict[int, int | None]) -> None:
-    """train.compile_* only with train.compile=true; CUDA-graph modes only without accumulation, in every
+def _check_compile(train: DictConfig, compiles: bool, accumulations: dict[int, int | None]) -> None:
+    """train.compile_* only when the model compiles; CUDA-graph modes only without accumulation, in every
     world size the run may have (accumulations: world size -> micro-batches per step, None for auto)."""
     mode = train.compile_mode
     if mode is not None and mode not in COMPILE_MODES:
         raise ConfigError(f"train.compile_mode={mode} is not one of null, {', '.join(COMPILE_MODES)}")
-    if not train.compile:
+    if not compiles:
+        why = "train.compile=auto compiles only on GPUs" if train.compile == "auto" else "without train.compile=true"
         for key, unset in (("compile_mode", None), ("compile_dynamic", None), ("compile_fullgraph", False),
                            ("compile_ddp_split", None)):
             if train[key] != unset:
                 value = str(train[key]).lower() if isinstance(train[key], bool) else train[key]
-                raise ConfigError(f"train.{key}={value} has no effect without train.compile=true; "
-                                  f"add train.compile=true or drop train.{key}")
+                raise ConfigError(f"train.{key}={value} has no effect: {why}; add train.compile=true or drop "
+                                  f"train.{key}")
     world, accumulation = next(((w, k) for w, k in accumulations.items() if k != 1), (None, 1))
     if mode in CUDA_GRAPH_MODES and accumulation != 1:
         # CUDA graphs overwrite their outputs at the next replay, gradients of earlier micro-batches too
@@ -228,6 +251,8 @@ def resolve(cfg: DictConfig, plan: Plan) -> dict[str, Any]:
             raise ConfigError(f"{key.group(1)} is required (it is ??? in the config); set {key.group(1)}=...") from None
         where = f"{key.group(1)}: " if key else ""
         raise ConfigError(f"cannot resolve the config: {where}{str(err).splitlines()[0]}") from None
+    for key, value in (plan.auto or {}).items():  # workers read what auto chose, as if it had been set
+        container["precision" if key == "precision" else "train"]["name" if key == "precision" else key] = value
     container["plan"] = asdict(plan)
     return container
 

@@ -1,0 +1,112 @@
+"""The node's visible GPUs (name, compute capability) and driver, read through NVML without a CUDA context.
+
+The parent decides the plan (how many workers, precision auto) before any worker starts. torch.cuda's
+get_device_capability and get_device_name initialise CUDA in the parent, which then holds a context (and
+hundreds of MB of GPU memory) for the whole run, and `nvidia-smi` costs a process start: NVML (libnvidia-ml,
+shipped with the driver, the library torch.cuda.device_count itself reads) answers both at once. Without NVML
+(no driver, a MIG slice, a build without it) torch.cuda answers instead. CUDA_VISIBLE_DEVICES narrows the
+list as CUDA does: the entries up to the first one that names no GPU.
+Exercised by: tests/test_units.py (the fallback, CUDA_VISIBLE_DEVICES), tests/test_gpu.py (NVML against torch).
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Gpu:
+    name: str
+    capability: tuple[int, int]
+
+
+def visible_gpus() -> list[Gpu]:
+    """The GPUs this node's workers will see, in CUDA's numbering."""
+    found = _nvml_gpus()
+    return found if found is not None else _torch_gpus()
+
+
+def driver_version() -> str | None:
+    """The NVIDIA driver's version, or None (no driver, no NVML)."""
+    nvml = _nvml()
+    if nvml is None:
+        return None
+    try:
+        text = ctypes.create_string_buffer(96)
+        return text.value.decode() if nvml.nvmlSystemGetDriverVersion(text, 96) == 0 else None
+    finally:
+        nvml.nvmlShutdown()
+
+
+def visible_indices(variable: str | None, count: int, uuids: list[str]) -> list[int] | None:
+    """CUDA_VISIBLE_DEVICES as NVML indices: integers and GPU-<uuid> (prefixes too) up to the first entry that
+    names no GPU, as CUDA reads it; None where NVML cannot say (a MIG slice)."""
+    if variable is None:
+        return list(range(count))
+    indices: list[int] = []
+    for entry in (e.strip() for e in variable.split(",")):
+        if entry.startswith("MIG-"):
+            return None
+        if entry.lstrip("-").isdigit():
+            index = int(entry)
+        else:
+            matches = [i for i, uuid in enumerate(uuids) if entry and uuid.startswith(entry)]
+            index = matches[0] if len(matches) == 1 else -1
+        if not 0 <= index < count or index in indices:
+            break
+        indices.append(index)
+    return indices
+
+
+def _nvml() -> ctypes.CDLL | None:
+    """The initialised NVML library (the caller shuts it down), or None."""
+    try:
+        nvml = ctypes.CDLL("libnvidia-ml.so.1")
+    except OSError:
+        return None
+    return nvml if nvml.nvmlInit_v2() == 0 else None
+
+
+def _nvml_gpus() -> list[Gpu] | None:
+    nvml = _nvml()
+    if nvml is None:
+        return None
+    try:
+        count = ctypes.c_uint()
+        if nvml.nvmlDeviceGetCount_v2(ctypes.byref(count)) != 0:
+            return None
+        handles, uuids = [], []
+        for index in range(count.value):
+            handle, uuid = ctypes.c_void_p(), ctypes.create_string_buffer(96)
+            if nvml.nvmlDeviceGetHandleByIndex_v2(index, ctypes.byref(handle)) != 0 or \
+                    nvml.nvmlDeviceGetUUID(handle, uuid, 96) != 0:
+                return None
+            handles.append(handle)
+            uuids.append(uuid.value.decode())
+        indices = visible_indices(os.environ.get("CUDA_VISIBLE_DEVICES"), count.value, uuids)
+        if indices is None:
+            return None
+        gpus = []
+        for index in indices:
+            name, major, minor = ctypes.create_string_buffer(96), ctypes.c_int(), ctypes.c_int()
+            if nvml.nvmlDeviceGetName(handles[index], name, 96) != 0 or nvml.nvmlDeviceGetCudaComputeCapability(
+                    handles[index], ctypes.byref(major), ctypes.byref(minor)) != 0:
+                return None
+            gpus.append(Gpu(name.value.decode(), (major.value, minor.value)))
+        return gpus
+    except AttributeError:  # an NVML older than these calls
+        return None
+    finally:
+        nvml.nvmlShutdown()
+
+
+def _torch_gpus() -> list[Gpu]:
+    """torch.cuda's answer (it initialises CUDA in this process); none where CUDA does not work."""
+    try:
+        return [Gpu(torch.cuda.get_device_name(i), torch.cuda.get_device_capability(i))
+                for i in range(torch.cuda.device_count())]
+    except Exception:  # a broken driver is the workers' problem to report, not a reason to stop here
+        return []
