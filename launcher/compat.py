@@ -44,6 +44,11 @@ DDP_NO_FORWARD_BUFFER_SYNC = ({"forward_sync_buffers": False}
                               if "forward_sync_buffers" in inspect.signature(DDP.__init__).parameters
                               else {"broadcast_buffers": False})
 
+# torch.compiler.save_cache_artifacts / load_cache_artifacts (torch 2.7): compiled graphs and kernels as bytes,
+# loadable into any inductor cache. Before it, a run with a TORCHINDUCTOR_CACHE_DIR of the user's own keeps no copy
+# in its run dir (launcher/train/compile_cache.py); the run dir's own cache, the default, works on every torch.
+COMPILE_CACHE_ARTIFACTS = hasattr(torch.compiler, "save_cache_artifacts")
+
 # NCCL's flight recorder (each rank's last collectives, dumped when one times out) reads C++ environment
 # variables, which no Python signature shows: these go by version, as found in each wheel's libtorch. 2.6 and
 # 2.7 read TORCH_NCCL_TRACE_BUFFER_SIZE and TORCH_NCCL_DEBUG_INFO_TEMP_FILE; 2.8 on read TORCH_FR_BUFFER_SIZE

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from conftest import read_metrics, run_cli
+from helpers import free_port, node
 
 pytestmark = pytest.mark.slow
 SMALL_BERT = ("model.layers=2", "model.hidden=64", "model.heads=2", "data.seq_len=32", "data.n_samples=256")
@@ -73,21 +74,40 @@ def test_a_graph_break_is_reported_and_fullgraph_makes_it_a_one_line_error(tmp_p
         assert "jobs/toy.py:" in errors[0] and "drop train.compile_fullgraph" in errors[0]
 
 
-def test_compile_ddp_split_false_compiles_one_graph_and_trains_the_same(tmp_path: Path) -> None:
-    """Four 1 MB layers in 1 MB buckets: dynamo's DDPOptimizer cuts the compiled model at the buckets
-    (compiled_pieces > 1, one dynamo graph); train.compile_ddp_split=false compiles it whole. On 2 ranks
-    both log the same losses: the whole graph's gradients are still all-reduced (the cut one's are:
-    tests/test_distributed_math.py)."""
+def test_one_node_compiles_one_graph_that_trains_like_eager_and_the_split_stays_an_override(tmp_path: Path) -> None:
+    """Four 1 MB layers in 1 MB buckets: on one node train.compile=true compiles one graph (compiled_pieces 1;
+    DDP's reducer all-reduces the buckets as the one backward ends); train.compile_ddp_split=true cuts it at the
+    buckets as dynamo's DDPOptimizer does by default. On 2 ranks all three log eager's losses: the whole graph's
+    gradients are still all-reduced (the cut one's are: tests/test_distributed_math.py)."""
     wide = ("model.hidden=512", "model.depth=4", "dist.bucket_cap_mb=1", "train.max_steps=20", "train.log_every=10")
-    pieces, losses = {}, {}
-    for split in ("null", "false"):
+    pieces, losses, said = {}, {}, {}
+    for split in ("null", "true"):
         run_dir, out = compiled_run(tmp_path, f"split-{split}", *wide, f"train.compile_ddp_split={split}")
         pieces[split] = [(m["compiled_graphs"], m["compiled_pieces"]) for m in logged(run_dir)]
         losses[split] = [m["loss"] for m in logged(run_dir)]
+        said[split] = out.stdout.splitlines()[0]  # the launcher's first line: how it will run
         assert not compile_warnings(out)
-    assert pieces["false"] == [(1, 1)] * 2
-    assert all(graphs == 1 and cuts > 1 for graphs, cuts in pieces["null"]), pieces
-    assert losses["false"] == pytest.approx(losses["null"], rel=1e-5)
+    assert said["null"].endswith("| compiled, one graph") and said["true"].endswith("| compiled, cut at DDP's buckets")
+    assert pieces["null"] == [(1, 1)] * 2
+    assert all(graphs == 1 and cuts > 1 for graphs, cuts in pieces["true"]), pieces
+    out = run_cli("+exp=toy", *wide, f"hydra.run.dir={tmp_path / 'eager'}", cwd=tmp_path)  # auto: eager on the CPU
+    assert out.returncode == 0 and "| eager (auto)" in out.stdout, out.stderr[-3000:]
+    eager = [m["loss"] for m in logged(tmp_path / "eager")]
+    assert losses["null"] == pytest.approx(eager, rel=1e-5) and losses["true"] == pytest.approx(eager, rel=1e-5)
+
+
+def test_two_nodes_keep_the_graph_cut_at_ddp_s_buckets(tmp_path: Path) -> None:
+    """Across nodes the cuts pay: each bucket's all-reduce overlaps the rest of the backward. Two launchers of one
+    worker each, as two nodes: train.compile=true keeps dynamo's split (compiled_pieces > 1)."""
+    run_dir, port = tmp_path / "shared", free_port()
+    wide = ("train.compile=true", "model.hidden=512", "model.depth=4", "dist.bucket_cap_mb=1")
+    nodes = [node(run_dir, port, *wide), node(run_dir, port, *wide)]
+    for proc in nodes:
+        out, err = proc.communicate(timeout=300)
+        assert proc.returncode == 0, (out + err)[-3000:]
+    assert "compiled, cut at DDP's buckets" in out
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["compiled"] and summary["compiled_pieces"] > 1, summary
 
 
 def test_a_cuda_graph_mode_reaches_inductor(tmp_path: Path) -> None:

@@ -16,8 +16,8 @@ import transformers
 from omegaconf import OmegaConf
 
 from conftest import read_metrics, run_cli
-from test_distributed_math import assert_params_close, probe, train_cli
-from test_resume import DROPOUT, FP16, SLOW, bitwise_equal, finish, sample_stream, start, wait_until, weights, worker_pid
+from helpers import (DROPOUT, FP16, SLOW, assert_params_close, bitwise_equal, finish, probe, sample_stream, start, train_cli,
+                     wait_until, weights, worker_pid)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: torch sees none")]
@@ -64,30 +64,33 @@ def test_fp16_overflow_on_cuda_skips_halves_the_scale_and_holds_the_scheduler(tm
     assert bad["params"] == before["params"]  # the fused optimizer really did not step
 
 
-COMPILED = ("train.compile=true", "dist.bucket_cap_mb=1")  # 1 MB buckets: dynamo cuts the small BERT in pieces
+EAGER = ("train.compile=false",)  # train.compile=auto compiles on a GPU
+# 1 MB buckets: dynamo cuts the small BERT in pieces where asked to (one node compiles one graph by default)
+COMPILED = ("train.compile=true", "dist.bucket_cap_mb=1", "train.compile_ddp_split=true")
 
 
 @pytest.mark.parametrize("exp,precision,compiled", [
-    ("toy", "fp32", ()), ("toy", "fp16", ()), ("bench", "bf16", ()), ("bench", "fp16", ()),
-    ("bench", "fp16", COMPILED), ("bench", "fp16", (*COMPILED, "train.compile_ddp_split=false"))],
+    ("toy", "fp32", EAGER), ("toy", "fp16", EAGER), ("bench", "bf16", EAGER), ("bench", "fp16", EAGER),
+    ("bench", "fp16", COMPILED), ("bench", "fp16", ("dist.bucket_cap_mb=1",))],
     ids=["toy-fp32", "toy-fp16", "bench-bf16", "bench-fp16", "bench-fp16-compiled", "bench-fp16-compiled-whole"])
 def test_a_steady_step_never_waits_for_the_gpu(tmp_path: Path, exp: str, precision: str, compiled: tuple) -> None:
     """Issue 11: under torch.cuda.set_sync_debug_mode("error") five steps that neither log, evaluate nor
     checkpoint run through (pinned loading, the step, the meter); a GPU read there does raise. BERT
     (bench) needs transformers 5: 4.x's BERT checks its attention mask on the GPU in every forward.
-    Compiled: in dynamo's pieces at DDP's buckets, and as one graph (train.compile_ddp_split=false)."""
+    Compiled: in dynamo's pieces at DDP's buckets (train.compile_ddp_split=true), and as the defaults compile it on
+    one GPU, one graph."""
     if exp == "bench" and int(transformers.__version__.split(".")[0]) < 5:
         pytest.skip(f"transformers {transformers.__version__}'s BERT syncs on its attention mask (5.x does not)")
     small_bert = ("model.layers=2", "model.hidden=128", "model.heads=2", "data.seq_len=64", "data.n_samples=256")
     (rank,) = probe(tmp_path, 1, "syncfree", *ONE_GPU, f"precision={precision}", "train.max_steps=8",
                     *(small_bert if exp == "bench" else ()), *compiled, exp=exp)
     assert rank["steps_without_sync"] == 5 and rank["control_raised"]
-    if not compiled:
+    if compiled == EAGER:
         assert rank["compiled_pieces"] is None
-    elif "train.compile_ddp_split=false" in compiled:
-        assert rank["compiled_pieces"] == 1
-    else:
+    elif compiled == COMPILED:
         assert rank["compiled_pieces"] > 1
+    else:  # the defaults: compiled (auto), one graph on one node
+        assert rank["compiled_pieces"] == 1
 
 
 @pytest.mark.parametrize("exp", ["toy", "bench", "bert", "bert-checkpointed"])
@@ -192,7 +195,7 @@ def test_kill_and_resume_on_cuda_is_bitwise_exact(tmp_path: Path, precision: str
     """SIGKILL the only worker after a checkpoint: torchrun restarts it, it resumes (CUDA RNG of its own
     device included: dropout draws from it in every forward; fused AdamW's state and step counts on the GPU;
     fp16's loss scale) and ends bitwise equal to an uninterrupted run."""
-    mixed = {"fp32": (), "bf16": ("precision=bf16",), "fp16": FP16}[precision]
+    mixed = {"fp32": ("precision=fp32",), "bf16": ("precision=bf16",), "fp16": FP16}[precision]
     reference = tmp_path / "reference"
     finish(start(reference, *ONE_GPU, *DROPOUT, *mixed), 0)
     killed = tmp_path / "killed"

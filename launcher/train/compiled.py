@@ -37,6 +37,24 @@ def compile_module(model: torch.nn.Module, mode: str | None, dynamic: bool | Non
     return torch.compile(model, mode=mode, dynamic=dynamic, fullgraph=fullgraph)
 
 
+def cannot_compile(device: torch.device) -> str | None:
+    """train.compile=auto: why this machine cannot compile, or None. A small function's forward and backward
+    compiled on the device finds a toolchain inductor lacks (Triton for a GPU, a C++ compiler for the CPU) in a
+    second or two, then cached. The counters are cleared after it: they count the model's compiles only."""
+    from torch._dynamo import utils
+
+    try:
+        probe = torch.ones(8, device=device, requires_grad=True)
+        torch.compile(lambda t: (t.sin() * 2).sum(), fullgraph=True)(probe).backward()
+        return None
+    except Exception as error:
+        cause = getattr(error, "inner_exception", None) or error.__cause__ or error
+        lines = [line.strip() for line in str(cause).splitlines() if line.strip()]
+        return f"{type(cause).__name__}: {lines[0][:200] if lines else ''}".rstrip(": ")
+    finally:
+        utils.counters.clear()
+
+
 @contextmanager
 def failures_in_one_line(compiling: bool, fullgraph: bool) -> Iterator[None]:
     """torch.compile's report spans a screen, and the launcher shows the last line of a rank's error: make
@@ -95,7 +113,11 @@ class CompileWatch:
         # A recompile appends the reason each older cache entry of that code failed; the last one is enough.
         recompiled = [reasons[-1] for code, reasons in failures.items() if len(reasons) > self.failures.get(code, 0)]
         # graph_breaks: distinct reasons (dynamo counts a break again each time it compiles that code)
+        # graphs and joint graphs found in inductor's and AOT autograd's caches (launcher/train/compile_cache.py)
+        hits = utils.counters["inductor"].get("fxgraph_cache_hit", 0) + utils.counters["aot_autograd"].get(
+            "autograd_cache_hit", 0)
         report = {"compiled_graphs": graphs, "compiled_pieces": pieces, "graph_breaks": len(breaks),
+                  "compile_cache_hits": hits,
                   "new_graphs": graphs - self.graphs, "new_breaks": new_breaks, "recompiled": recompiled,
                   "first_log": self.first_log}
         if self.cuda_graphs:  # graphs that inductor could not capture as CUDA graphs run like mode=default
@@ -113,7 +135,7 @@ def combine(reports: list[dict[str, Any]]) -> tuple[dict[str, int], list[str]]:
     and warnings, one per new reason."""
     if not reports or not reports[0]:
         return {}, []
-    keys = ("compiled_graphs", "compiled_pieces", "graph_breaks", "cudagraph_skips")
+    keys = ("compiled_graphs", "compiled_pieces", "graph_breaks", "compile_cache_hits", "cudagraph_skips")
     scalars = {key: max(r[key] for r in reports) for key in keys if key in reports[0]}
     warnings, seen = [], set()
     for rank, report in enumerate(reports):

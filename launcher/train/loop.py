@@ -19,6 +19,7 @@ from launcher.preempt import StopFlag, ignore_in_data_workers
 from launcher.task import Task, to_device
 from launcher.train import checkpoint, compiled, micro_batch
 from launcher.train.best import Best
+from launcher.train.compile_cache import CompileCache
 from launcher.train.data import DataPlan, StepWindows, Window, WindowStream, eval_batches, window_loader
 from launcher.train.dist import DistEnv, all_gather_objects, all_reduce_sum, training_timeout
 from launcher.train.ledger import Progress, StepLedger
@@ -66,6 +67,7 @@ class Run:
     watchdog: Watchdog  # writes a hang report when the loop stands still (launcher/train/watchdog.py)
     profiler: StepProfiler  # records train.profile's steps (launcher/train/profile.py)
     compile_watch: compiled.CompileWatch  # what torch.compile compiled since the last log (launcher/train/compiled.py)
+    compile_cache: CompileCache  # where compiles are kept for the run's next start (launcher/train/compile_cache.py)
     sync_check: SyncCheck  # train.sync_check: what makes a steady step wait for the GPU (launcher/train/sync_check.py)
     best: Best  # train.best_metric: the best eval so far, whose checkpoint is kept (launcher/train/best.py)
 
@@ -166,19 +168,22 @@ def train(run: Run, progress: Progress, stop: StopFlag, final_eval: dict[str, fl
             ledger.settle()                                 # flags now, so what they record is exact
         if log_now:  # every rank: the meter sums tokens
             run.watchdog.at("log", step)
-            record = {"step": step, "epoch": run.data_plan.epoch_of(step - 1), **meter.read(),
-                      "micro_batch_size": run.micro_batch_size, "grad_accum_steps": run.grad_accum_steps,
-                      "lr": run.scheduler.get_last_lr()[0], "grad_norm": result.grad_norm.item(),
-                      "skipped_steps": progress.skipped_steps}
-            if run.scaler.is_enabled():
-                record["loss_scale"] = run.scaler.get_scale()
-            if run.compile_watch.enabled:  # every rank: a recompile on any rank stalls them all
-                compile_counts, warnings = compiled.combine(all_gather_objects(run.compile_watch.read()))
-                record.update(compile_counts)
-                for warning in warnings:
-                    run.log.warn(f"step {step}: {warning}")
-            progress.last_loss = record["loss"]
-            run.log.metrics(record, run.max_steps)
+            record = {"step": step, "epoch": run.data_plan.epoch_of(step - 1), **meter.read()}  # the interval ends
+            with meter.left_out():  # the host's work of logging (trackers, first imports) is no step's time
+                record.update(micro_batch_size=run.micro_batch_size, grad_accum_steps=run.grad_accum_steps,
+                              lr=run.scheduler.get_last_lr()[0], grad_norm=result.grad_norm.item(),
+                              skipped_steps=progress.skipped_steps)
+                if run.scaler.is_enabled():
+                    record["loss_scale"] = run.scaler.get_scale()
+                if run.compile_watch.enabled:  # every rank: a recompile on any rank stalls them all
+                    compiles = run.compile_watch.read()
+                    run.compile_cache.saved(compiles["compiled_graphs"])  # this rank's new graphs, for the next start
+                    compile_counts, warnings = compiled.combine(all_gather_objects(compiles))
+                    record.update(compile_counts)
+                    for warning in warnings:
+                        run.log.warn(f"step {step}: {warning}")
+                progress.last_loss = record["loss"]
+                run.log.metrics(record, run.max_steps)
 
         if ledger.stop:  # agreed by all ranks, read by all at the same step
             progress.eval_due = bool(eval_now)  # no time for it now: the next start evaluates these weights
@@ -202,7 +207,8 @@ def train(run: Run, progress: Progress, stop: StopFlag, final_eval: dict[str, fl
                "precision": run.precision.name, "skipped_steps": progress.skipped_steps,
                "restarts": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)), "config_hash": run.config_hash,
                "peak_mem_mb": peak_memory_mb(run.env.device), "started_unix_time": run.log.start,
-               "first_step_unix_time": first_step_at, **compile_counts, **run.sync_check.summary()}
+               "first_step_unix_time": first_step_at, "compiled": run.compile_watch.enabled,
+               "compile_cache": run.compile_cache.kind if run.compile_watch.enabled else None, **compile_counts, **run.sync_check.summary()}
     if preempted:
         return summary
     # A start after the final save (workers restarted on their way out) finds the run's end in it; a preemption's

@@ -20,12 +20,13 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from launcher.compat import DDP_NO_FORWARD_BUFFER_SYNC
-from launcher.derived import NODE_CONFIG, config_hash, differing_keys, grad_accum_steps
+from launcher.derived import NODE_CONFIG, auto_precision, config_hash, differing_keys, grad_accum_steps
 from launcher.preempt import REQUEUE_EXIT_CODE, StopFlag, preemption_signals
 from launcher.train import checkpoint, micro_batch
 from launcher.train import dist as launcher_dist
 from launcher.train.best import Best
-from launcher.train.compiled import CompileWatch, compile_module, failures_in_one_line
+from launcher.train.compile_cache import CompileCache
+from launcher.train.compiled import CompileWatch, cannot_compile, compile_module, failures_in_one_line
 from launcher.train.data import DataPlan, rank_seed, seed_all
 from launcher.train.job import build_part, check_task
 from launcher.train.ledger import Progress
@@ -61,10 +62,13 @@ def build(cfg: DictConfig, run_dir: Path, env: launcher_dist.DistEnv) -> Run:
     check_task(task, cfg.data._target_)
     model = build_part("model", cfg.model, **sources["model"]).to(env.device)
     model.train()  # dropout on from step 1: HF's from_pretrained returns a model in eval mode
-    precision = Precision(cfg.precision.name, env.device.type, train_cfg.tf32)
+    precision = Precision(node_precision(cfg.precision.name, env), env.device.type, train_cfg.tf32)
     precision.apply_tf32()  # before compile, which reads it
+    compile_cache = CompileCache(run_dir, env.local_rank, env.device, train_cfg.compile and train_cfg.compile_cache)
+    compile_cache.load(lambda message: print(message, file=sys.stderr, flush=True))  # before anything compiles
+    compiling = train_cfg.compile and not compile_turned_off(cfg, env)
     trained = compile_module(model, train_cfg.compile_mode, train_cfg.compile_dynamic, train_cfg.compile_fullgraph,
-                             train_cfg.compile_ddp_split) if train_cfg.compile else model
+                             train_cfg.compile_ddp_split) if compiling else model
     ddp = DDP(trained, device_ids=[env.local_rank] if env.device.type == "cuda" else None,
               bucket_cap_mb=cfg.dist.bucket_cap_mb, gradient_as_bucket_view=cfg.dist.gradient_as_bucket_view,
               static_graph=cfg.dist.static_graph, find_unused_parameters=cfg.dist.find_unused_parameters,
@@ -106,12 +110,38 @@ def build(cfg: DictConfig, run_dir: Path, env: launcher_dist.DistEnv) -> Run:
                          config=OmegaConf.to_container(cfg)),
               config_hash=config_hash(OmegaConf.to_container(cfg)),
               watchdog=Watchdog(run_dir, env.rank, cfg.dist.hang_timeout_s),
-              compile_watch=CompileWatch(train_cfg.compile, train_cfg.compile_mode),
+              compile_watch=CompileWatch(compiling, train_cfg.compile_mode), compile_cache=compile_cache,
               sync_check=SyncCheck(train_cfg.sync_check, env.device), best=best_eval(task, train_cfg),
               profiler=StepProfiler(run_dir, env.rank, train_cfg.profile, list(train_cfg.profile_ranks), env.device))
     if "pretrained" in sources["model"]:
         run.log.info(f"model.pretrained={cfg.model.pretrained}: from checkpoint {sources['model']['pretrained']}")
     return run
+
+
+def node_precision(name: str, env: launcher_dist.DistEnv) -> str:
+    """precision=auto still open (a Slurm job: the submit host cannot see the nodes' GPUs) is chosen here, by every
+    rank alike, from every rank's GPU (launcher/derived.py); any other precision is the config's."""
+    if name != "auto":
+        return name
+    capability = torch.cuda.get_device_capability(env.device) if env.device.type == "cuda" else None
+    return auto_precision(env.device.type, [c for c in launcher_dist.all_gather_objects(capability) if c])
+
+
+def compile_turned_off(cfg: DictConfig, env: launcher_dist.DistEnv) -> bool:
+    """train.compile=auto chose to compile: a machine that cannot (no Triton, no C++ compiler) trains eagerly, said
+    in one line, every rank alike; what dynamo fails to compile in the model runs eagerly too, torch saying why
+    (torch._dynamo.config.suppress_errors). train.compile=true keeps every failure an error."""
+    if "compile" not in (cfg.plan.get("auto") or {}):
+        return False
+    reasons = launcher_dist.all_gather_objects(cannot_compile(env.device))
+    rank, reason = next(((r, why) for r, why in enumerate(reasons) if why), (None, None))
+    if reason:
+        if env.is_main:
+            print(f"train.compile=auto: training eagerly, as rank {rank} cannot compile ({reason}); "
+                  f"train.compile=false says so at once, train.compile=true makes it an error", flush=True)
+        return True
+    torch._dynamo.config.suppress_errors = True
+    return False
 
 
 def best_eval(task: Any, train_cfg: DictConfig) -> Best:
@@ -190,12 +220,13 @@ def build_and_train(cfg: DictConfig, path: Path, env: launcher_dist.DistEnv, sto
         state = checkpoint.load_latest(path.parent, run.module, run.log.warn)
     progress = restore(run, state, cfg.train.seed, cfg.resume.allow_config_change)
     run.log.start_at(progress.step, run.max_steps)
-    with failures_in_one_line(cfg.train.compile, cfg.train.compile_fullgraph):  # the probe compiles first
+    with failures_in_one_line(run.compile_watch.enabled, cfg.train.compile_fullgraph):  # the probe compiles first
         if run.out_of_memory.enabled:  # micro_batch_size=auto: the model, and any resumed optimizer state, are in place
             run.watchdog.at("micro-batch probe", progress.step)
             micro_batch.choose(run, cfg.train.max_micro_batch_size, state and state.get("micro_batch_size"))
         run.log.info(f"run dir {path.parent} | world size {env.world_size} | grad accum "
-                     f"{run.grad_accum_steps} | precision {run.precision.name} | config {hashes[0]}")
+                     f"{run.grad_accum_steps} | precision {run.precision.name} | "
+                     f"{'compiled' if run.compile_watch.enabled else 'eager'} | config {hashes[0]}")
         try:
             summary = train(run, progress, stop, state and state.get("final_eval"))
         except torch.OutOfMemoryError as error:  # where a step cannot be redone: report, and exit for a restart

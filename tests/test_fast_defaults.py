@@ -1,0 +1,209 @@
+"""Fast by default (issue 37): precision=auto and train.compile=auto chosen for the hardware in the parent, a
+machine that cannot compile training eagerly under auto, and compiled kernels that a restart loads from the run
+dir instead of compiling them again. Real launches of the toy job on 2 gloo ranks; the rules as unit tests."""
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import compose_config, on_the_cpu_plan, run_cli, subprocess_env, write_run_config
+from helpers import logged_step, wait_until
+from launcher.derived import auto_precision
+from launcher.launch.gpus import visible_gpus, visible_indices
+from launcher.launch.plan import make_plan, resolve
+from launcher.preempt import REQUEUE_EXIT_CODE
+from launcher.rundir import complete_steps
+COMPILED_TOY = ("+exp=toy", "train.compile=true", "train.max_steps=60", "train.log_every=10", "train.ckpt_every=10")
+
+
+@pytest.mark.parametrize(("capabilities", "chosen"), [
+    ([(6, 0)], "fp16"), ([(7, 0)], "fp16"), ([(7, 5)], "fp16"),  # P100, V100, T4: no bf16 tensor cores
+    ([(8, 0)], "bf16"), ([(8, 6)], "bf16"), ([(8, 9)], "bf16"), ([(9, 0)], "bf16"), ([(10, 0)], "bf16"),
+    ([(9, 0), (7, 5)], "fp16"),  # every rank must run the same precision: the oldest GPU decides
+])
+def test_precision_auto_picks_bf16_from_ampere_on_and_fp16_before(capabilities: list, chosen: str) -> None:
+    assert auto_precision("cuda", capabilities) == chosen
+
+
+def test_the_defaults_resolve_to_fp32_eager_on_the_cpu_and_say_so_in_the_config() -> None:
+    cfg = compose_config("+exp=toy")
+    plan = make_plan(cfg)
+    assert plan.auto == {"precision": "fp32", "compile": False}
+    config = resolve(cfg, plan)
+    assert config["precision"]["name"] == "fp32" and config["train"]["compile"] is False
+    explicit = compose_config("+exp=toy", "precision=bf16", "train.compile=true")
+    config = resolve(explicit, make_plan(explicit))  # given, kept; one node: one graph
+    assert (config["precision"]["name"], config["train"]["compile"], config["train"]["compile_ddp_split"]) == \
+        ("bf16", True, False)
+
+
+def test_slurm_compiles_on_gpus_as_one_graph_per_node_and_leaves_precision_to_the_nodes() -> None:
+    for nodes, split in ((1, False), (2, True)):
+        cfg = compose_config("+exp=toy", "launcher=slurm", "launcher.device=auto", "launcher.gpus_per_node=2",
+                             f"launcher.nodes={nodes}")
+        config = resolve(cfg, make_plan(cfg))
+        assert config["precision"]["name"] == "auto"  # the submit host cannot see the cluster's GPUs
+        assert config["train"]["compile"] is True and config["train"]["compile_ddp_split"] is split
+    cfg = compose_config("+exp=toy", "launcher=slurm", "launcher.gpus_per_node=0")
+    assert make_plan(cfg).auto == {"precision": "fp32", "compile": False}
+
+
+def test_compile_keys_without_compiling_name_what_auto_chose() -> None:
+    out = run_cli("+exp=toy", "train.compile_mode=default", "launcher.dry_run=true", cwd=Path.cwd())
+    assert out.returncode == 2
+    assert out.stderr.strip() == ("error: train.compile_mode=default has no effect: train.compile=auto compiles only "
+                                  "on GPUs; add train.compile=true or drop train.compile_mode")
+
+
+def test_visible_devices_read_as_cuda_reads_them_and_no_nvml_falls_back_to_torch() -> None:
+    uuids = ["GPU-aaa1", "GPU-bbb2", "GPU-ccc3"]
+    assert visible_indices(None, 3, uuids) == [0, 1, 2]
+    assert visible_indices("2,0", 3, uuids) == [2, 0]
+    assert visible_indices("1,7,0", 3, uuids) == [1]  # CUDA stops at the first entry that names no GPU
+    assert visible_indices("GPU-bbb,GPU-aaa1", 3, uuids) == [1, 0]  # a unique prefix names a GPU
+    assert visible_indices("", 3, uuids) == [] and visible_indices("-1", 3, uuids) == []
+    assert visible_indices("MIG-1234", 3, uuids) is None  # NVML cannot say: torch answers
+    import torch
+
+    if not torch.cuda.is_available():  # this machine has no NVML: torch's answer, no GPU
+        assert visible_gpus() == []
+
+
+@pytest.mark.slow
+def test_a_machine_that_cannot_compile_trains_eagerly_under_auto_with_one_line(tmp_path: Path) -> None:
+    """What the parent writes for a GPU plan (train.compile=auto chose to compile), run on the CPU with no C++
+    compiler for inductor: every rank finds it before building the model and trains eagerly."""
+    run_dir = tmp_path / "run"
+    config = write_run_config(run_dir, "+exp=toy", "train.max_steps=20")
+    text = config.read_text()
+    assert text.count("compile: false") == 2  # train.compile and plan.auto.compile
+    config.write_text(text.replace("compile: false", "compile: true"))
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m",
+                          "launcher.train.worker", str(config)], env=subprocess_env(CXX=str(tmp_path / "no-compiler"),
+                                                                  TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "cache")),
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    said = [line for line in out.stdout.splitlines() if line.startswith("train.compile=auto")]
+    assert len(said) == 1 and said[0].startswith("train.compile=auto: training eagerly, as rank 0 cannot compile ("), said
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["compiled"] is False and summary["steps"] == 20
+
+
+def start(run_dir: Path, *overrides: str, **env: str) -> subprocess.Popen:
+    """The compiled toy; with no TORCHINDUCTOR_CACHE_DIR given, none is set (the suite's shared one is not)."""
+    args = on_the_cpu_plan([*COMPILED_TOY, *overrides, f"hydra.run.dir={run_dir}"])
+    environment = subprocess_env(**env)
+    if "TORCHINDUCTOR_CACHE_DIR" not in env:
+        del environment["TORCHINDUCTOR_CACHE_DIR"]
+    return subprocess.Popen([sys.executable, "-m", "launcher", *args], cwd=run_dir.parent, env=environment,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def seconds_to_log(run_dir: Path, step: int, began: float) -> float:
+    """Seconds from the command's start until `step` is in metrics.jsonl: start-up (imports, build, compile or the
+    cache's load) and ten toy steps of milliseconds each, the same measure for both starts."""
+    wait_until(lambda: logged_step(run_dir) >= step, timeout=240)
+    return time.time() - began
+
+
+def stopped_after_a_checkpoint(proc: subprocess.Popen, run_dir: Path) -> None:
+    """Ctrl-C once step 20 is logged: the run saves a checkpoint and exits with the requeue code."""
+    wait_until(lambda: logged_step(run_dir) >= 20, timeout=240)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=240)
+    assert proc.returncode == REQUEUE_EXIT_CODE, out[-2000:] + err[-3000:]
+
+
+@pytest.mark.slow
+def test_a_compiled_restart_on_an_empty_machine_cache_loads_its_kernels_from_the_run_dir(tmp_path: Path) -> None:
+    """A new node's machine cache is empty (a fresh TMPDIR: inductor's default cache and its precompiled header
+    live there). The first start compiles, the restart finds every graph in <run_dir>/compile_cache/ and reaches its
+    first step in at most half the first start's time; it trains on as an uninterrupted run does."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (tmp_path / "tmp1").mkdir()
+    began = time.time()
+    first = start(run_dir, TMPDIR=str(tmp_path / "tmp1"))
+    cold = seconds_to_log(run_dir, 10, began)
+    stopped_after_a_checkpoint(first, run_dir)
+    resumed = complete_steps(run_dir)[-1]  # the stop's checkpoint: a few steps after step 20's log
+    (tmp_path / "tmp2").mkdir()
+    began = time.time()
+    second = start(run_dir, TMPDIR=str(tmp_path / "tmp2"))
+    warm = seconds_to_log(run_dir, (resumed // 10 + 1) * 10, began)  # its first log
+    out, err = second.communicate(timeout=300)
+    assert second.returncode == 0, out[-2000:] + err[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["resumed_from"] == resumed and summary["compile_cache"] == "run dir", summary
+    assert summary["compile_cache_hits"] >= 2 and summary["compiled_graphs"] == 1, summary
+    print(f"first log: cold start {cold:.1f} s, restart {warm:.1f} s")  # pytest -s shows it
+    assert warm <= 0.5 * cold, (warm, cold)
+    assert not (tmp_path / "tmp2" / "torchinductor_root" / "fxgraph").exists()  # nothing went to the machine cache
+
+
+@pytest.mark.slow
+def test_a_user_s_own_inductor_cache_is_used_and_the_run_dir_keeps_torch_s_artifacts(tmp_path: Path) -> None:
+    """With TORCHINDUCTOR_CACHE_DIR set, the workers compile into it, and the run dir keeps each local rank's
+    portable artifacts (torch.compiler.save_cache_artifacts), which the next start loads into an empty cache of the
+    user's: its graphs are cache hits. A damaged artifacts file is moved aside with one line, and the run trains."""
+    from launcher.compat import COMPILE_CACHE_ARTIFACTS
+
+    if not COMPILE_CACHE_ARTIFACTS:
+        pytest.skip("this torch has no torch.compiler.save_cache_artifacts (torch 2.7 on)")
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    first = start(run_dir, TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "cache1"))
+    stopped_after_a_checkpoint(first, run_dir)
+    kept = sorted(p.name for p in (run_dir / "compile_cache").glob("torch-*/local*.bin"))
+    assert kept == ["local0.bin", "local1.bin"] and (tmp_path / "cache1" / "fxgraph").is_dir()
+    damaged = run_dir / "compile_cache" / next((run_dir / "compile_cache").iterdir()).name / "local1.bin"
+    damaged.write_bytes(damaged.read_bytes()[:1000])  # rank 1's, cut short: rank 0's still loads
+    second = start(run_dir, TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "cache2"))
+    out, err = second.communicate(timeout=300)
+    assert second.returncode == 0, out[-2000:] + err[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["compile_cache"] == "artifacts" and summary["compile_cache_hits"] >= 2, summary
+    said = [line for line in err.splitlines() if "did not load" in line]
+    assert len(said) == 1 and said[0].startswith(f"warning: the compile cache {damaged} did not load (damaged)"), err
+    assert damaged.with_name("local1.bin.unusable").is_file() and damaged.is_file()  # and a new one, from this start
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA GPU")
+def test_nvml_sees_the_gpus_torch_sees_without_a_cuda_context() -> None:
+    """The parent's reading (launcher/launch/gpus.py) against torch.cuda's, in a process of its own: NVML's names
+    and compute capabilities, in CUDA's numbering, and no CUDA context made for them."""
+    probe = ("import torch\nfrom launcher.launch.gpus import visible_gpus, driver_version\n"
+             "gpus = visible_gpus()\nassert not torch.cuda.is_initialized()\n"
+             "assert driver_version()\n"
+             "assert [(g.name, g.capability) for g in gpus] == [(torch.cuda.get_device_name(i), "
+             "torch.cuda.get_device_capability(i)) for i in range(torch.cuda.device_count())], gpus\n")
+    for visible in (None, "0"):
+        env = subprocess_env() if visible is None else subprocess_env(CUDA_VISIBLE_DEVICES=visible)
+        out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr[-2000:]
+
+
+def test_a_log_interval_s_rates_leave_out_the_host_work_of_logging_the_one_before() -> None:
+    """The loop reads the interval, then logs inside meter.left_out() (trackers, the compile counters, first-time
+    imports): the next interval's samples/s are those of its own steps. One rank on the CPU: no collective."""
+    import torch
+
+    from launcher.train.meter import Meter
+
+    meter = Meter(torch.device("cpu"), 1.0, None, rank=0, world_size=1)
+    time.sleep(0.2)  # a step of 0.2 s
+    meter.add(8, torch.tensor(1.0), None, 0.0)
+    first = meter.read()["samples_per_sec"]
+    with meter.left_out():  # what the loop does after the read: log
+        time.sleep(0.6)
+    time.sleep(0.2)
+    meter.add(8, torch.tensor(1.0), None, 0.0)
+    second = meter.read()["samples_per_sec"]
+    assert 8 / 0.3 < first <= 8 / 0.2 and 8 / 0.3 < second <= 8 / 0.2, (first, second)  # not 8 / 0.8
