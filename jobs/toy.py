@@ -47,6 +47,26 @@ class RunsOutInTheCopy(torch.Tensor):
         return super().to(*args, **kwargs).as_subclass(torch.Tensor)
 
 
+class LazySamples:
+    """data.lazy=true: sample i of the same regression, drawn from (seed, i) when it is read: len() of 10^9 costs
+    nothing, as a corpus on disk would not."""
+
+    def __init__(self, n: int, a: torch.Tensor, b: torch.Tensor, noise: float, seed: int, dtype: torch.dtype):
+        self.n, self.a, self.b, self.noise, self.seed, self.dtype = n, a, b, noise, seed, dtype
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> dict:
+        if not 0 <= i < self.n:
+            raise IndexError(i)
+        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + i)
+        x = torch.randn(self.a.shape[0], generator=generator, dtype=self.dtype)
+        y = torch.tanh(x @ self.a) @ self.b + self.noise * torch.randn(self.b.shape[1], generator=generator,
+                                                                       dtype=self.dtype)
+        return {"id": i, "x": x, "y": y}
+
+
 class ToyRegression:
     """y = tanh(x A) B + noise on fixed Gaussian inputs; per-sample loss = mean squared error."""
 
@@ -56,7 +76,7 @@ class ToyRegression:
                  noise: float = 0.05, seed: int = 1234, dtype: str = "float32", sleep_s: float = 0.0,
                  sleep_rank: int | None = None, stall_rank: int = -1, stall_at_call: int = 0, stall_s: float = 0.0,
                  oom_rank: int = -1, oom_max_items: int = 0, oom_from_call: int = 1, oom_in_backward: bool = False,
-                 oom_in_eval: bool = False, oom_in_copy: bool = False, save_sleep_s: float = 0.0):
+                 oom_in_eval: bool = False, oom_in_copy: bool = False, save_sleep_s: float = 0.0, lazy: bool = False):
         rank = int(os.environ.get("RANK", 0))
         if save_sleep_s:  # tests: rank 0 takes this long to write each checkpoint (as on a slow file system)
             self.write_model_files = lambda model, directory: time.sleep(save_sleep_s)
@@ -78,10 +98,15 @@ class ToyRegression:
         dt = getattr(torch, dtype)
         a = torch.randn(in_features, 16, generator=generator, dtype=dt)
         b = torch.randn(16, out_features, generator=generator, dtype=dt) / 4
+        if lazy:  # tests: a train set of any size (10^9), each sample made when read, as a corpus read from disk
+            self.train_set = LazySamples(n_samples, a, b, noise, seed, dt)
+            n_samples = 0  # the eval set below, made as usual
         x = torch.randn(n_samples + n_eval, in_features, generator=generator, dtype=dt)
         y = torch.tanh(x @ a) @ b + noise * torch.randn(len(x), out_features, generator=generator, dtype=dt)
         samples = [{"id": i, "x": x[i], "y": y[i]} for i in range(len(x))]
-        self.train_set, self.eval_set = samples[:n_samples], samples[n_samples:] or None
+        self.eval_set = samples[n_samples:] or None
+        if not lazy:
+            self.train_set = samples[:n_samples]
 
     def collate(self, samples: list[dict]) -> dict[str, torch.Tensor]:
         x = torch.stack([s["x"] for s in samples])

@@ -160,8 +160,10 @@ def combine(reports: list[dict[str, Any]]) -> tuple[dict[str, int], list[str]]:
                                 f"{rank} since the last log ({report['compiled_graphs']} in all; "
                                 f"{_first_line(reason)}): every compile stalls all ranks, and past dynamo's "
                                 f"recompile limit (8 per function by default) that code runs eagerly; for shapes "
-                                f"that change, train.compile_dynamic=true compiles them dynamic from the start; "
-                                f"TORCH_LOGS=recompiles shows each reason")
+                                f"that change, train.compile_dynamic=true compiles them dynamic from the start, "
+                                f"and a text job's data.pad_to_multiple_of (64, or '${{data.max_length}}') makes "
+                                f"fewer of them; train.compile=false trains eagerly; TORCH_LOGS=recompiles shows "
+                                f"each reason")
     return scalars, warnings
 
 

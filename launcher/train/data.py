@@ -16,6 +16,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, get_worker_info
 
 from launcher.task import Task, count_tokens
+from launcher.train.sample_order import epoch_key, permuted
 
 
 @dataclass(frozen=True)
@@ -24,6 +25,10 @@ class DataPlan:
     global_batch_size: int
     seed: int
     drop_last: bool
+    # the order of an epoch's samples: "feistel", a permutation read at any position in O(1)
+    # (launcher/train/sample_order.py), or "randperm", torch.randperm of the whole train set at every step, which
+    # run dirs started before the former go on with (their checkpoints name no order)
+    order: str = "feistel"
 
     @property
     def steps_per_epoch(self) -> int:
@@ -36,11 +41,13 @@ class DataPlan:
     def step_indices(self, step: int) -> torch.Tensor:
         """Dataset indices of the whole step (all ranks); the last window of an epoch may be short."""
         epoch, step_in_epoch = divmod(step, self.steps_per_epoch)
-        # A fresh permutation per (seed, epoch): reshuffled every epoch, reproducible per seed.
-        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
-        order = torch.randperm(self.n_samples, generator=generator)
         start = step_in_epoch * self.global_batch_size
-        return order[start:start + self.global_batch_size]
+        # A fresh permutation per (seed, epoch): reshuffled every epoch, reproducible per seed.
+        if self.order == "randperm":
+            generator = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+            return torch.randperm(self.n_samples, generator=generator)[start:start + self.global_batch_size]
+        positions = torch.arange(start, min(start + self.global_batch_size, self.n_samples))
+        return permuted(positions, self.n_samples, epoch_key(self.seed, epoch))
 
 
 def rank_share(indices: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:

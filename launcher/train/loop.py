@@ -135,7 +135,8 @@ def train(run: Run, progress: Progress, stop: StopFlag, final_eval: dict[str, fl
     compile_counts: dict[str, int] = {}
     for window, data_wait_s in timed(stream):
         step = progress.step + 1
-        run.watchdog.at("train", step)
+        # the first step of a compiled model compiles it (minutes for a large one): a hang report then says so
+        run.watchdog.at("train" if first_step_at or not run.compile_watch.enabled else "train, compiling", step)
         log_now = step % run.log_every == 0 or step == run.max_steps
         eval_now = run.eval_every and step % run.eval_every == 0 and step != run.max_steps
         ckpt_now = run.ckpt_every and step % run.ckpt_every == 0 and step != run.max_steps
@@ -276,7 +277,7 @@ def train_state(run: Run, progress: Progress, final_eval: dict[str, float] | Non
     return {"progress": asdict(progress), "final_eval": final_eval, "best": run.best.state(),
             "optimizer": run.optimizer.state_dict(),
             "scheduler": run.scheduler.state_dict(), "scaler": run.scaler.state_dict(),
-            "config_hash": run.config_hash, "world_size": run.env.world_size,
+            "config_hash": run.config_hash, "world_size": run.env.world_size, "sample_order": run.data_plan.order,
             # train.micro_batch_size=auto's size, kept by a resume (a fixed size comes from the config)
             "micro_batch_size": run.micro_batch_size if run.out_of_memory.enabled else None,
             "trackers": run.log.tracker_ids()}  # the tracker runs it belongs to (rank 0 writes it)

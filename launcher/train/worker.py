@@ -9,6 +9,7 @@ import json
 import os
 import sys
 import traceback
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -173,6 +174,12 @@ def restore(run: Run, state: dict[str, Any] | None, seed: int, allow_config_chan
     if state["scaler"] and run.scaler.is_enabled():
         run.scaler.load_state_dict(state["scaler"])
     progress = Progress(**state["progress"])
+    # a run goes on in the sample order it started with: one started before the "feistel" order names none
+    order = state.get("sample_order", "randperm")
+    if order != run.data_plan.order:
+        run.data_plan = replace(run.data_plan, order=order)
+        run.log.info(f"this run continues in the sample order it started with ({order}: torch.randperm of the whole "
+                     f"train set at every step, a cost that grows with it); a new run dir reads its order in O(batch)")
     run.best.load(state.get("best"))
     if len(state["rng"]) == run.env.world_size:  # the same ranks: continue each rank's random stream
         checkpoint.set_rng_state(state["rng"][run.env.rank], run.env.device)
