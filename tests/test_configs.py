@@ -11,6 +11,7 @@ from conftest import CONF, compose_config
 from launcher.derived import ConfigError
 from launcher.launch import plan as plan_module
 from launcher.launch.gpus import Gpu
+from launcher.launch.known_keys import check_known_keys
 from launcher.launch.plan import make_plan, resolve
 
 GROUPS = ["model", "optimizer", "scheduler", "precision", "data", "launcher", "logger"]
@@ -25,6 +26,7 @@ REQUIRED = {("data", "files"): ("data.path=train.csv",)}  # `???` keys a user mu
 def resolves(*overrides: str) -> bool:
     try:
         cfg = compose_config(*overrides)
+        check_known_keys(cfg)  # every key of every option is one its schema or target takes, as the parent checks
         resolve(cfg, make_plan(cfg))
     except ConfigError:
         return False

@@ -21,6 +21,7 @@ from launcher.derived import ConfigError
 from launcher.launch.checks import check_job_inputs
 from launcher.launch.environment import environment_record
 from launcher.launch.errors import release_stderr
+from launcher.launch.known_keys import check_known_keys
 from launcher.launch.local import local_rendezvous, run_local, torchrun_args
 from launcher.launch.plan import Plan, make_plan, resolve, write_config
 from launcher.launch.resume import check_resume, finished
@@ -94,6 +95,7 @@ def launch(cfg: DictConfig, run_dir: Path) -> None:
     if cfg.launcher.name == "slurm":  # no agent will start here to end as preempted
         release_early_signals()
     try:
+        check_known_keys(cfg)  # +train.max_step=20 would train 200 steps with a key nothing reads
         plan = make_plan(cfg)
         if plan.nnodes > 1 and cfg.launcher.name == "local":
             shared_run_dir(plan.nnodes)

@@ -51,7 +51,8 @@ def condense(text: str) -> str:
             options.append(line)
         else:
             lines.append(line.rstrip(".:") if line.startswith("Available options") else line.rstrip("."))
-    message = "; ".join(lines)
+    # Hydra's "To append to your config use +key=value" adds a key nothing reads (launcher/launch/known_keys.py)
+    message = "; ".join(line for line in lines if not line.startswith("To append to your config use +"))
     if options:
         message += ": " + ", ".join(options)
     if "mkdir" in text and "Error" in message:  # Hydra creates the run dir before our code runs

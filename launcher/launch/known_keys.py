@@ -1,0 +1,114 @@
+"""No silent keys: every key of the composed config is one a schema or a `_target_` takes, `+` or not.
+
+Hydra refuses a key a group lacks (`train.max_step=20`), but one added with `+` (`+train.max_step=20`, as Hydra's
+own message suggests) goes into the config, and nothing reads it: the run trained 200 steps. Here, in the parent,
+before any process starts: the typed groups' keys against their dataclasses (launcher/schema.py), the `_target_`
+groups' (model, data, optimizer) against the target's signature, read from its source without importing it (a job's
+module may import transformers: seconds), unless the target takes **kwargs.
+Exercised by: `python -m launcher +exp=toy +train.max_step=20` (exit 2: did you mean train.max_steps?).
+"""
+from __future__ import annotations
+
+import ast
+import dataclasses
+import difflib
+import importlib.util
+import inspect
+import os
+import sys
+from typing import Any, get_args, get_type_hints
+
+from omegaconf import DictConfig
+
+from launcher import schema
+from launcher.derived import ConfigError
+
+TARGET_GROUPS = ("model", "data", "optimizer")
+HYDRA_KEYS = {"_target_", "_partial_", "_convert_", "_recursive_", "_args_"}
+GIVEN_BY_THE_WORKER = {"params"}  # the optimizer's parameters: the worker passes them
+
+
+def check_known_keys(cfg: DictConfig) -> None:
+    """Raise ConfigError naming the first key nothing takes, and the closest key that is taken."""
+    _check_dataclass(cfg, schema.Config, "")
+    for group in TARGET_GROUPS:
+        node = cfg.get(group)
+        if isinstance(node, DictConfig) and isinstance(node.get("_target_"), str):
+            taken = target_parameters(node._target_)
+            if taken is not None:
+                _refuse_unknown(group, [str(k) for k in node if k not in HYDRA_KEYS], taken - GIVEN_BY_THE_WORKER,
+                                f"{node._target_} takes")
+
+
+def _check_dataclass(node: DictConfig, cls: type, prefix: str) -> None:
+    hints = get_type_hints(cls)
+    fields = {f.name for f in dataclasses.fields(cls)}
+    where = f"{prefix.rstrip('.')} (launcher/schema.py's {cls.__name__})" if prefix else "the config"
+    _refuse_unknown(prefix.rstrip("."), [str(k) for k in node], fields, f"{where} has")
+    for name in fields:
+        child, typed = node.get(name), _dataclass_of(hints[name])
+        if typed is not None and isinstance(child, DictConfig):
+            _check_dataclass(child, typed, f"{prefix}{name}.")
+
+
+def _dataclass_of(hint: Any) -> type | None:
+    """The dataclass a field holds (Optional[X] too), or None."""
+    for candidate in (hint, *get_args(hint)):
+        if dataclasses.is_dataclass(candidate):
+            return candidate
+    return None
+
+
+def _refuse_unknown(group: str, keys: list[str], taken: set[str], what: str) -> None:
+    for key in keys:
+        if key not in taken:
+            name = f"{group}.{key}" if group else key
+            close = closest(key, taken)
+            fix = (f"did you mean {group + '.' if group else ''}{close}?" if close
+                   else f"{what} {', '.join(sorted(taken))}" if taken else f"{group} takes no keys")
+            raise ConfigError(f"{name} is a key nothing reads (a typo, or one added with + that no schema or target "
+                              f"takes): {fix}")
+
+
+def closest(key: str, taken: set[str]) -> str | None:
+    """The taken key the typo most likely meant: of the similar ones, the one that starts most like it
+    (nprocs: nproc_per_node, not nodes)."""
+    similar = difflib.get_close_matches(key, sorted(taken), n=3, cutoff=0.5)
+    return max(similar, key=lambda name: len(os.path.commonprefix([key, name])), default=None)
+
+
+def target_parameters(target: str) -> set[str] | None:
+    """The keyword parameters `target` (module.name, or module.Class for its __init__) takes; None where any key
+    may be right (it takes **kwargs) or its signature cannot be read (a name the module imports from elsewhere)."""
+    module_name, _, name = target.rpartition(".")
+    module = sys.modules.get(module_name)
+    if module is not None and hasattr(module, name):  # imported already (torch.optim): ask Python
+        try:
+            parameters = inspect.signature(getattr(module, name)).parameters.values()
+        except (TypeError, ValueError):
+            return None
+        if any(p.kind is p.VAR_KEYWORD for p in parameters):
+            return None
+        return {p.name for p in parameters if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    try:
+        spec = importlib.util.find_spec(module_name)
+    except (ImportError, ValueError):
+        return None
+    if spec is None or not spec.origin or not spec.origin.endswith(".py"):
+        return None
+    with open(spec.origin, encoding="utf-8") as source:
+        tree = ast.parse(source.read(), spec.origin)
+    for node in tree.body:
+        if isinstance(node, ast.ClassDef) and node.name == name:
+            init = next((n for n in node.body if isinstance(n, ast.FunctionDef) and n.name == "__init__"), None)
+            return None if init is None else _arguments(init.args, skip_self=True)
+        if isinstance(node, ast.FunctionDef) and node.name == name:
+            return _arguments(node.args, skip_self=False)
+    return None
+
+
+def _arguments(args: ast.arguments, skip_self: bool) -> set[str] | None:
+    if args.kwarg is not None:
+        return None
+    names = [a.arg for a in args.posonlyargs + args.args][1 if skip_self else 0:] + [a.arg for a in args.kwonlyargs]
+    return set(names) - {a.arg for a in args.posonlyargs}

@@ -1,0 +1,47 @@
+"""No silent keys (issue 39): a key that no schema or `_target_` takes is refused in the parent, added with `+` or
+not, with the "did you mean" the other typos get, before any worker starts and with no run dir left behind. Real
+launches (dry runs) of the CLI; every config option's keys are checked in tests/test_configs.py."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from conftest import run_cli
+from launcher.launch.known_keys import target_parameters
+
+NOTHING_READS = "is a key nothing reads (a typo, or one added with + that no schema or target takes): "
+
+
+@pytest.mark.parametrize(("override", "fix"), [
+    ("+train.max_step=20", "did you mean train.max_steps?"),  # Hydra's own message suggested this + once
+    ("+launcher.nprocs=1", "did you mean launcher.nproc_per_node?"),
+    ("+data.n_sampels=3", "did you mean data.n_samples?"),  # a _target_ group: ToyRegression's signature
+    ("+optimizer.lrr=0.1", "did you mean optimizer.lr?"),  # torch.optim.AdamW's
+    ("+logger.tensorboard.dir=tb", "logger.tensorboard takes no keys"),
+    ("+seeds=1", "the config has data, dist, launcher, logger, model, name, optimizer, precision, resume, scheduler, "
+                 "train"),
+])
+def test_a_key_nothing_reads_is_refused_in_one_line(tmp_path: Path, override: str, fix: str) -> None:
+    run_dir = tmp_path / "run"
+    out = run_cli("+exp=toy", override, "launcher.dry_run=true", f"hydra.run.dir={run_dir}", cwd=tmp_path)
+    key = override.lstrip("+").split("=")[0]
+    assert out.returncode == 2 and out.stderr.strip() == f"error: {key} {NOTHING_READS}{fix}", out.stderr
+    assert not run_dir.exists()
+
+
+def test_hydra_s_own_refusal_no_longer_suggests_adding_the_key_with_plus(tmp_path: Path) -> None:
+    out = run_cli("+exp=toy", "train.max_step=20", "launcher.dry_run=true", cwd=tmp_path)
+    assert out.returncode == 2 and "did you mean train.max_steps?" in out.stderr and "+train" not in out.stderr
+
+
+def test_a_target_s_parameters_come_from_its_source_without_importing_it() -> None:
+    """jobs.bert would import transformers (seconds): its signature is read from the file; a function taking
+    **kwargs takes any key; a name the module does not define itself cannot be told, so it is not checked."""
+    import sys
+
+    sys.modules.pop("jobs.toy", None)
+    assert {"n_samples", "lazy", "seed"} <= target_parameters("jobs.toy.ToyRegression")
+    assert "jobs.toy" not in sys.modules
+    assert "lr" in target_parameters("torch.optim.AdamW") and target_parameters("jobs.nowhere.Thing") is None
+    assert target_parameters("launcher.launch.known_keys.check_known_keys") == {"cfg"}
