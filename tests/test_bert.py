@@ -39,7 +39,8 @@ def test_mlm_gradient_does_not_depend_on_the_split(tmp_path: Path, tiny_bert: Pa
         for a, b in zip(step_split["synced_grads"], step_whole["synced_grads"]):
             assert a.dtype == torch.float64
             torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-13)
-        assert step_split["loss"] == pytest.approx(step_whole["loss"], rel=1e-12)
+        # the logged loss is summed in float32 (launcher/train/step.py), in another order on each side
+        assert step_split["loss"] == pytest.approx(step_whole["loss"], rel=1e-6)
 
 
 def test_mean_over_micro_batches_would_be_wrong_for_mlm(tiny_bert: Path) -> None:

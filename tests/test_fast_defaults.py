@@ -143,7 +143,12 @@ def test_a_compiled_restart_on_an_empty_machine_cache_loads_its_kernels_from_the
     assert summary["resumed_from"] == resumed and summary["compile_cache"] == "run dir", summary
     assert summary["compile_cache_hits"] >= 2 and summary["compiled_graphs"] == 1, summary
     print(f"first log: cold start {cold:.1f} s, restart {warm:.1f} s")  # pytest -s shows it
-    assert warm <= 0.5 * cold, (warm, cold)
+    from torch._functorch import config as aot_config
+
+    # torch 2.6 (the floor run) keeps inductor's graphs but has AOT autograd's cache off: a restart traces the joint
+    # graph again (2.6 under load: 93 s against 143 s); where that cache is on (2.13 here) a restart compiles nothing
+    if aot_config.enable_autograd_cache:
+        assert warm <= 0.5 * cold, (warm, cold)
     assert not (tmp_path / "tmp2" / "torchinductor_root" / "fxgraph").exists()  # nothing went to the machine cache
 
 
