@@ -31,7 +31,7 @@ def make_run_dir_with_corrupt_config(tmp_path: Path) -> str:
 CASES = {  # name: (overrides, or a function of tmp_path giving them; what the line must say)
     "unknown key": (["+exp=toy", "train.micro_batchsize=4"], "did you mean train.micro_batch_size?"),
     "unknown key of an untyped group": (["+exp=bert", "model.pretrain=x"], "did you mean model.pretrained?"),
-    "unknown group option": (["+exp=toy", "precision=fp8"], "Available options in 'precision': bf16, fp16, fp32"),
+    "unknown group option": (["+exp=toy", "precision=fp8"], "Available options in 'precision': auto, bf16, fp16, fp32"),
     "unknown exp": (["+exp=nope"], "Available options in 'exp': bench, bert, bert_mlm, toy"),
     "unknown logger": (["+exp=toy", "logger=[mlfow]"], "logger=mlfow is not an option of logger/: mlflow, tensorboard, wandb"),
     "wrong type": (["+exp=toy", "train.max_steps=abc"], "train.max_steps=abc"),
@@ -62,9 +62,11 @@ CASES = {  # name: (overrides, or a function of tmp_path giving them; what the l
                              "train.compile_mode=fast is not one of null, default, max-autotune-no-cudagraphs, "
                              "reduce-overhead, max-autotune"),
     "compile key without compile": (["+exp=toy", "train.compile_dynamic=true"],
-                                    "train.compile_dynamic=true has no effect without train.compile=true"),
+                                    "train.compile_dynamic=true has no effect: train.compile=auto compiles only on "
+                                    "GPUs; add train.compile=true or drop train.compile_dynamic"),
     "ddp split without compile": (["+exp=toy", "train.compile_ddp_split=false"],
-                                  "train.compile_ddp_split=false has no effect without train.compile=true"),
+                                  "train.compile_ddp_split=false has no effect: train.compile=auto compiles only on "
+                                  "GPUs; add train.compile=true or drop train.compile_ddp_split"),
     "cuda graphs with accumulation": (["+exp=toy", "train.compile=true", "train.compile_mode=reduce-overhead"],
                                       "(pytorch#169545), and with 2 ranks this run accumulates 2 micro-batches per "
                                       "step; set train.micro_batch_size to global_batch_size / world size"),
@@ -160,19 +162,17 @@ def test_bad_input_is_one_line_naming_the_key(name: str, tmp_path: Path) -> None
 def test_cuda_plan_without_a_gpu_is_one_line(tmp_path: Path) -> None:
     out = run_cli("+exp=toy", "launcher.device=cuda", f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)
     assert out.returncode == 2 and out.stderr.strip().splitlines() == [
-        "error: launcher.device=cuda but torch sees no GPU on this node (torch.cuda.device_count() is 0); use "
-        "launcher.device=auto or launcher.device=cpu"]
+        "error: launcher.device=cuda but this node has no visible GPU (NVML, or torch.cuda.device_count(), says 0); "
+        "use launcher.device=auto or launcher.device=cpu"]
     assert not (tmp_path / "run").exists()
 
 
+# A key the target does not take (+data.seq_lenn=16) no longer gets this far: the parent refuses it
+# (tests/test_known_keys.py)
 @pytest.mark.parametrize("override, expected", [
-    ("+data.seq_lenn=16", "data._target_=jobs.toy.ToyRegression failed: TypeError: ToyRegression.__init__() got an "
-                          "unexpected keyword argument 'seq_lenn'; the keys of data.* are its arguments"),
     ("model._target_=jobs.toy.MLPP", "model._target_=jobs.toy.MLPP failed: ImportError: Error loading 'jobs.toy.MLPP'"),
-    ("+optimizer.nope=1", "optimizer._target_=torch.optim.AdamW failed: TypeError: AdamW.__init__() got an "
-                          "unexpected keyword argument 'nope'"),
     ("data.dtype=nope", "data._target_=jobs.toy.ToyRegression failed: AttributeError: module 'torch' has no attribute "
-                        "'nope'")], ids=["data argument", "model target", "optimizer argument", "fault in the job"])
+                        "'nope'")], ids=["model target", "fault in the job"])
 def test_what_only_the_job_can_tell_is_one_line_from_the_workers(tmp_path: Path, override: str, expected: str) -> None:
     """Hydra's error ends in `full_key: data`, which was all of the launcher's line. Above it every rank printed
     its traceback (about 100 lines for 2 ranks), which for a config mistake says nothing more; a fault in the

@@ -98,8 +98,6 @@ def _shape(cfg: DictConfig) -> tuple[int, int, int, str, list[tuple[int, int]] |
     if nproc > gpus:
         raise ConfigError(f"launcher.nproc_per_node={nproc} but this node has {gpus} GPU(s); "
                           f"set launcher.nproc_per_node<={gpus}, or launcher.device=cpu for CPU workers")
-    # Compute capability, not torch.cuda.is_bf16_supported(): that counts emulation (True on a V100), and
-    # finds it out by putting a tensor on the GPU, a CUDA context this process would hold for the whole run.
     return fewest, nnodes, nproc, "cuda", [gpu.capability for gpu in found[:nproc]]
 
 
@@ -107,6 +105,8 @@ def _choose(cfg: DictConfig, device_type: str, capabilities: list[tuple[int, int
     """precision=auto and train.compile=auto for this hardware (see launcher/derived.py), and the explicit
     precision checked against it; what auto chose."""
     precision = getattr(cfg.precision.name, "value", cfg.precision.name)  # Enum when typed
+    # Compute capability, not torch.cuda.is_bf16_supported(): that counts emulation (True on a V100), and
+    # finds it out by putting a tensor on the GPU, a CUDA context this process would hold for the whole run.
     if precision == "bf16" and capabilities and min(capabilities) < (8, 0):
         raise ConfigError("precision=bf16 needs an Ampere or newer GPU; use precision=fp16 here, or precision=auto")
     chosen: dict[str, Any] = {}
