@@ -53,8 +53,9 @@ def speed_line(config: dict, plan: Plan) -> str:
     chose: `precision bf16 (auto) | compiled (auto), one graph`."""
     auto = plan.auto or {}
     train = config["train"]
-    name = config['precision']['name']
-    precision = f"precision {name}{' (auto)' if 'precision' in auto else ''}{' (chosen on the nodes)' if name == 'auto' else ''}"
+    name = config["precision"]["name"]  # still auto on Slurm: the workers choose it, on the nodes
+    precision = f"precision {name}" + (" (auto)" if "precision" in auto else " (chosen on the nodes)" if name == "auto"
+                                       else "")
     mode = "compiled" if train["compile"] is True else "eager"
     split = {True: ", cut at DDP's buckets", False: ", one graph"}.get(train["compile_ddp_split"], "") \
         if train["compile"] is True else ""

@@ -57,7 +57,7 @@ def _nccl() -> str | None:
 
 
 def environment_record(run_dir: Path) -> dict[str, Any]:
-    gpus = [gpu.name for gpu in visible_gpus()]  # NVML: no CUDA context, no nvidia-smi process (launcher/launch/gpus.py)
+    gpus = [gpu.name for gpu in visible_gpus()]  # NVML: no CUDA context, no nvidia-smi (launcher/launch/gpus.py)
     return {
         "git": code_state(run_dir),
         "torch": torch.__version__, "cuda": torch.version.cuda,

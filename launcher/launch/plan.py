@@ -13,7 +13,8 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from launcher.derived import COMPILE_MODES, CUDA_GRAPH_MODES, ConfigError, auto_ddp_split, auto_precision, grad_accum_steps
+from launcher.derived import (COMPILE_MODES, CUDA_GRAPH_MODES, ConfigError, auto_ddp_split, auto_precision,
+                              grad_accum_steps)
 from launcher.launch.gpus import visible_gpus
 from launcher.preempt import signal_named
 from launcher.rundir import write_atomically

@@ -209,7 +209,8 @@ def train(run: Run, progress: Progress, stop: StopFlag, final_eval: dict[str, fl
                "restarts": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)), "config_hash": run.config_hash,
                "peak_mem_mb": peak_memory_mb(run.env.device), "started_unix_time": run.log.start,
                "first_step_unix_time": first_step_at, "compiled": run.compile_watch.enabled,
-               "compile_cache": run.compile_cache.kind if run.compile_watch.enabled else None, **compile_counts, **run.sync_check.summary()}
+               "compile_cache": run.compile_cache.kind if run.compile_watch.enabled else None, **compile_counts,
+               **run.sync_check.summary()}
     if preempted:
         return summary
     # A start after the final save (workers restarted on their way out) finds the run's end in it; a preemption's
