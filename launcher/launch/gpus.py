@@ -6,7 +6,7 @@ hundreds of MB of GPU memory) for the whole run, and `nvidia-smi` costs a proces
 shipped with the driver, the library torch.cuda.device_count itself reads) answers both at once. Without NVML
 (no driver, a MIG slice, a build without it) torch.cuda answers instead. CUDA_VISIBLE_DEVICES narrows the
 list as CUDA does: the entries up to the first one that names no GPU.
-Exercised by: tests/test_units.py (the fallback, CUDA_VISIBLE_DEVICES), tests/test_gpu.py (NVML against torch).
+Exercised by: tests/test_fast_defaults.py (CUDA_VISIBLE_DEVICES, the fallback; NVML against torch under -m gpu).
 """
 from __future__ import annotations
 

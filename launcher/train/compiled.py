@@ -48,9 +48,8 @@ def cannot_compile(device: torch.device) -> str | None:
         torch.compile(lambda t: (t.sin() * 2).sum(), fullgraph=True)(probe).backward()
         return None
     except Exception as error:
-        cause = getattr(error, "inner_exception", None) or error.__cause__ or error
-        lines = [line.strip() for line in str(cause).splitlines() if line.strip()]
-        return f"{type(cause).__name__}: {lines[0][:200] if lines else ''}".rstrip(": ")
+        cause, what = what_failed(error)
+        return f"{type(cause).__name__}: {what}"
     finally:
         utils.counters.clear()
 
@@ -76,11 +75,16 @@ def compile_failure(error: BaseException) -> bool:
     return any(frame.f_code.co_filename.endswith(CONVERT_FRAME) for frame, _ in traceback.walk_tb(error.__traceback__))
 
 
-def failure_line(error: BaseException, fullgraph: bool) -> str:
-    """What went wrong (the inner error, where torch wraps one) and where in the user's code."""
+def what_failed(error: BaseException) -> tuple[BaseException, str]:
+    """The inner error, where torch wraps one, and the first line of what it says (its type where it says nothing)."""
     cause = getattr(error, "inner_exception", None) or error.__cause__ or error
     lines = [line.strip() for line in str(cause).splitlines() if line.strip() and not line.strip().endswith("raised:")]
-    what = (lines[0] if lines else type(cause).__name__)[:200]
+    return cause, (lines[0] if lines else type(cause).__name__)[:200]
+
+
+def failure_line(error: BaseException, fullgraph: bool) -> str:
+    """What went wrong (the inner error, where torch wraps one) and where in the user's code."""
+    _, what = what_failed(error)
     text = str(error)
     user_code = text.split("from user code:")[-1] if "from user code:" in text else ""
     places = [(f, n) for f, n in re.findall(r'File "([^"]+)", line (\d+)', user_code) if not f.startswith(TORCH_DIR)]

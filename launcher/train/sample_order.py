@@ -6,7 +6,7 @@ Feistel network permutes the smallest domain of 2^(2h) >= n positions (each roun
 with a keyed hash, which is a bijection of the domain whatever the hash), and positions it maps beyond n walk on
 through it until they land inside (cycle walking: a permutation of the domain restricted to [0, n) is one of
 [0, n); the domain is under 4n, so few walk more than a step or two). A step's global batch costs O(batch).
-Exercised by: tests/test_units.py.
+Exercised by: tests/test_sampling.py.
 """
 from __future__ import annotations
 
