@@ -76,8 +76,12 @@ class ToyRegression:
                  noise: float = 0.05, seed: int = 1234, dtype: str = "float32", sleep_s: float = 0.0,
                  sleep_rank: int | None = None, stall_rank: int = -1, stall_at_call: int = 0, stall_s: float = 0.0,
                  oom_rank: int = -1, oom_max_items: int = 0, oom_from_call: int = 1, oom_in_backward: bool = False,
-                 oom_in_eval: bool = False, oom_in_copy: bool = False, save_sleep_s: float = 0.0, lazy: bool = False):
+                 oom_in_eval: bool = False, oom_in_copy: bool = False, save_sleep_s: float = 0.0, lazy: bool = False,
+                 collate_sleep_s: float = 0.0, collate_noise: float = 0.0):
         rank = int(os.environ.get("RANK", 0))
+        # tests: collate takes this long per micro-batch (a job that tokenises or decodes), and adds noise drawn
+        # from torch's global random stream to the inputs (augmentation without a generator of its own)
+        self.collate_sleep_s, self.collate_noise = collate_sleep_s, collate_noise
         if save_sleep_s:  # tests: rank 0 takes this long to write each checkpoint (as on a slow file system)
             self.write_model_files = lambda model, directory: time.sleep(save_sleep_s)
         # per loss computation, on every rank or on sleep_rank only: lets tests signal or kill a run
@@ -109,7 +113,11 @@ class ToyRegression:
             self.train_set = samples[:n_samples]
 
     def collate(self, samples: list[dict]) -> dict[str, torch.Tensor]:
+        if self.collate_sleep_s:
+            time.sleep(self.collate_sleep_s)
         x = torch.stack([s["x"] for s in samples])
+        if self.collate_noise:
+            x = x + self.collate_noise * torch.randn(x.shape, dtype=x.dtype)
         if self.oom_in_copy:
             x = x.as_subclass(RunsOutInTheCopy)
             x.task = self

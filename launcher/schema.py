@@ -55,13 +55,19 @@ class TrainConfig:
     log_every: int = 10
     eval_every: int = 0  # 0: evaluate only at the end
     ckpt_every: int = 0  # 0: checkpoint only at the end (and on preemption)
+    # rank 0 copies the state to host memory and writes it in a thread while training goes on (the next save, the
+    # final one and a preemption's wait for it); false: every rank waits while rank 0 writes
+    ckpt_async: bool = True
     keep_checkpoints: int = 2  # complete checkpoints kept; older ones are deleted
     # an eval metric (accuracy, loss, ...): an eval that is its best so far is saved as a checkpoint, which
     # outlives the rotation (best.json, summary.json say where); best_mode max or min, null: min for a loss
     best_metric: Optional[str] = None
     best_mode: Optional[str] = None
     max_bad_steps: int = 20  # consecutive steps with non-finite gradients before the run stops
-    num_workers: int = 0  # DataLoader worker processes per rank
+    # DataLoader worker processes per rank (0: windows are made on the training thread), or auto: made ahead, in
+    # processes where the rank has spare cores, else in a thread; on the training thread if collate draws from the
+    # global random streams (auto never changes what is trained on: launcher/train/prefetch.py)
+    num_workers: Union[int, str] = "auto"
     persistent_workers: bool = True  # keep them between epochs of the loader (with num_workers > 0)
     prefetch_factor: int = 2  # windows each worker prepares ahead
     # torch.compile the model (DDP wraps the compiled module: gradients still sync); auto: on CUDA plans (a model

@@ -153,7 +153,10 @@ def make_plan(cfg: DictConfig) -> Plan:
                       "train.max_grad_norm")
     _require_positive(cfg, "train.keep_checkpoints", "train.max_bad_steps", "launcher.shutdown_timeout_s",
                       "train.prefetch_factor")
-    for key in ("train.max_steps", "train.eval_every", "train.ckpt_every", "train.num_workers", "scheduler.warmup_steps",
+    workers = cfg.train.num_workers
+    if workers != "auto" and (isinstance(workers, bool) or not isinstance(workers, int) or workers < 0):
+        raise ConfigError(f"train.num_workers={workers} is neither an integer >= 0 nor auto")
+    for key in ("train.max_steps", "train.eval_every", "train.ckpt_every", "scheduler.warmup_steps",
                 "launcher.max_restarts"):  # train.max_steps=0: evaluate model.pretrained, train nothing
         if OmegaConf.select(cfg, key) < 0:
             raise ConfigError(f"{key}={OmegaConf.select(cfg, key)} must be >= 0")

@@ -58,10 +58,14 @@ class Best:
         return state and {**state, "checkpoint": str(run_dir / "checkpoints" / str(self.step))}
 
     def write(self, run_dir: Path) -> None:
-        """Rank 0, once the checkpoint that holds this state is complete. None yet (or no metric, or another one
-        than before a resume): no best.json, which model.pretrained=<run dir> would take for the best."""
-        record = self.record(run_dir)
-        if record:
-            write_atomically(run_dir / BEST_FILE, json.dumps(record, indent=2) + "\n")
-        else:
-            (run_dir / BEST_FILE).unlink(missing_ok=True)
+        """Rank 0, once the checkpoint that holds this state is complete."""
+        write_best(run_dir, self.record(run_dir))
+
+
+def write_best(run_dir: Path, record: dict[str, Any] | None) -> None:
+    """best.json from Best.record. None (no best yet, no metric, or another one than before a resume): no best.json,
+    which model.pretrained=<run dir> would take for the best."""
+    if record:
+        write_atomically(run_dir / BEST_FILE, json.dumps(record, indent=2) + "\n")
+    else:
+        (run_dir / BEST_FILE).unlink(missing_ok=True)

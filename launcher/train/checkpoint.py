@@ -23,6 +23,7 @@ from safetensors.torch import load_model, save_model
 
 from launcher.rundir import (MARKER, PRETRAINED_FILE, PRETRAINED_KEYS, best_record, complete_steps, is_run_dir,
                              pinned_checkpoint, pinned_pretrained, write_atomically)
+from launcher.train.background_save import BackgroundSave, HostWeights
 from launcher.train.dist import all_gather_objects, on_rank_0
 
 
@@ -68,24 +69,40 @@ def _fsync(path: Path) -> None:
 
 def save(run_dir: Path, step: int, model: torch.nn.Module, train_state: dict[str, Any], keep: int,
          device: torch.device, model_files: Callable[[Path], None] | None = None,
-         also_keep: int | None = None) -> Path:
-    """Every rank calls this (it gathers every rank's RNG state); rank 0 writes; all wait for the files.
+         also_keep: int | None = None, background: BackgroundSave | None = None,
+         then: Callable[[], None] | None = None) -> Path:
+    """Every rank calls this (it gathers every rank's RNG state); rank 0 writes; all wait for the files, or, with
+    `background` (train.ckpt_async), for rank 0's copy of the state to host memory (and for the save before).
     The newest `keep` checkpoints stay, and the one of step `also_keep` (train.best_metric's best).
     `model_files` writes what the job keeps beside the weights (a transformers job: config.json and the
-    tokenizer, which make the checkpoint a save_pretrained dir)."""
+    tokenizer, which make the checkpoint a save_pretrained dir); `then` runs on rank 0 once the save is complete."""
     rng_states = all_gather_objects(rng_state(device))
     final = run_dir / "checkpoints" / str(step)
-    # also the wait for the files: no rank reads them before; a failure (a full disk) is every rank's
     state = {**train_state, "rng": rng_states}
-    on_rank_0(lambda: _write(run_dir, step, model, state, keep, model_files, also_keep),
+
+    def write(weights: torch.nn.Module | HostWeights, written: dict[str, Any]) -> None:
+        _write(run_dir, step, weights, written, keep, model_files, also_keep)
+        if then:
+            then()
+
+    # also the wait for the files (or the copy): no rank reads them before; a failure (a full disk) is every
+    # rank's, a background save's at the next save
+    on_rank_0(lambda: write(model, state) if background is None else background.start(step, model, state, write),
               describe=lambda error: f"checkpoint of step {step} in {final.parent} failed: {type(error).__name__}: "
                                      f"{error}")
     return final
 
 
-def _write(run_dir: Path, step: int, model: torch.nn.Module, train_state: dict[str, Any], keep: int,
+def wait_for_background(background: BackgroundSave | None) -> None:
+    """Every rank calls this: returns once rank 0's save in flight is complete; its failure is every rank's."""
+    if background is not None:
+        on_rank_0(background.wait)
+
+
+def _write(run_dir: Path, step: int, model: torch.nn.Module | HostWeights, train_state: dict[str, Any], keep: int,
            model_files: Callable[[Path], None] | None, also_keep: int | None) -> None:
-    """Rank 0's part of save: the files, made complete at once, then the retention."""
+    """Rank 0's part of save: the files, made complete at once, then the retention. `model`: the module, or
+    its weights copied to host memory (launcher/train/background_save.py)."""
     root = run_dir / "checkpoints"
     tmp, final = root / f".tmp-{step}", root / str(step)
     shutil.rmtree(tmp, ignore_errors=True)

@@ -172,11 +172,15 @@ class WindowStream:
     def __iter__(self) -> Iterator[Window]:
         step = self.first
         while step < self.last:
-            for window in self.loader(self.windows, range(step, self.last)):
-                yield window
-                if self._again is not None:
-                    break
-                step += 1
+            ahead = iter(self.loader(self.windows, range(step, self.last)))
+            try:
+                for window in ahead:
+                    yield window
+                    if self._again is not None:
+                        break
+                    step += 1
+            finally:  # a loader that prepares ahead in a thread stops it before the split changes
+                getattr(ahead, "close", lambda: None)()
             if self._again is not None:
                 self.windows.grad_accum_steps, self._again = self._again, None
 

@@ -18,7 +18,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from launcher.preempt import StopFlag, ignore_in_data_workers
 from launcher.task import Task, to_device
 from launcher.train import checkpoint, compiled, micro_batch
-from launcher.train.best import Best
+from launcher.train.background_save import BackgroundSave
+from launcher.train.best import Best, write_best
 from launcher.train.compile_cache import CompileCache
 from launcher.train.data import DataPlan, StepWindows, Window, WindowStream, eval_batches, window_loader
 from launcher.train.dist import DistEnv, all_gather_objects, all_reduce_sum, training_timeout
@@ -26,6 +27,7 @@ from launcher.train.ledger import Progress, StepLedger
 from launcher.train.meter import Meter, peak_flops, peak_memory_mb, training_flops_per_item
 from launcher.train.metrics import RunLog
 from launcher.train.precision import Precision
+from launcher.train.prefetch import AutoPrefetch
 from launcher.train.profile import StepProfiler
 from launcher.train.step import train_step
 from launcher.train.sync_check import SyncCheck
@@ -59,7 +61,7 @@ class Run:
     keep_checkpoints: int
     max_bad_steps: int
     log_samples: bool
-    num_workers: int
+    num_workers: int | str  # loader processes per rank, or auto (launcher/train/prefetch.py)
     persistent_workers: bool
     prefetch_factor: int
     log: RunLog
@@ -70,6 +72,7 @@ class Run:
     compile_cache: CompileCache  # where compiles are kept for the run's next start (launcher/train/compile_cache.py)
     sync_check: SyncCheck  # train.sync_check: what makes a steady step wait for the GPU (launcher/train/sync_check.py)
     best: Best  # train.best_metric: the best eval so far, whose checkpoint is kept (launcher/train/best.py)
+    background_save: BackgroundSave | None  # train.ckpt_async: rank 0 writes in a thread (launcher/train/background_save.py)
 
 
 @torch.no_grad()
@@ -124,9 +127,12 @@ def train(run: Run, progress: Progress, stop: StopFlag, final_eval: dict[str, fl
             run.best.write(run.run_dir)
         progress.eval_due = False
     windows = StepWindows(run.task, run.data_plan, run.env.rank, run.env.world_size, run.grad_accum_steps)
-    loader = partial(window_loader, num_workers=run.num_workers, pin_memory=run.env.device.type == "cuda",
-                     persistent_workers=run.persistent_workers, prefetch_factor=run.prefetch_factor,
-                     worker_init_fn=partial(ignore_in_data_workers, signals=stop.signals))
+    in_data_workers = partial(ignore_in_data_workers, signals=stop.signals)
+    loader = (AutoPrefetch(run.env.device, run.prefetch_factor, in_data_workers, run.log.info)
+              if run.num_workers == "auto" else
+              partial(window_loader, num_workers=run.num_workers, pin_memory=run.env.device.type == "cuda",
+                      persistent_workers=run.persistent_workers, prefetch_factor=run.prefetch_factor,
+                      worker_init_fn=in_data_workers))
     stream = WindowStream(windows, progress.step, run.max_steps, loader)
     meter = Meter(run.env.device, training_flops_per_item(run.module),
                   peak_flops(run.env.device, run.precision.name, run.precision.tf32), run.env.rank, run.env.world_size)
@@ -188,7 +194,7 @@ def train(run: Run, progress: Progress, stop: StopFlag, final_eval: dict[str, fl
 
         if ledger.stop:  # agreed by all ranks, read by all at the same step
             progress.eval_due = bool(eval_now)  # no time for it now: the next start evaluates these weights
-            save_checkpoint(run, progress)
+            save_checkpoint(run, progress, complete=True)
             run.log.preempted(step, stop.signum)
             # No rank exits before the marker exists: a node's launcher reads it once its workers exit.
             torch.distributed.barrier()
@@ -197,7 +203,9 @@ def train(run: Run, progress: Progress, stop: StopFlag, final_eval: dict[str, fl
         with meter.left_out():  # the next log's samples/s, tokens/s and MFU are those of training
             best_now = eval_now and record_eval(run, step)
             if ckpt_now or best_now:
+                began = time.perf_counter()
                 save_checkpoint(run, progress)
+                meter.ckpt_wait_s += time.perf_counter() - began  # the next record's ckpt_wait_s
 
     wall = time.perf_counter() - started
     summary = {"steps": progress.step, "final_loss": progress.last_loss, "preempted": preempted,
@@ -226,9 +234,11 @@ def train(run: Run, progress: Progress, stop: StopFlag, final_eval: dict[str, fl
             if progress.step:  # (train.max_steps=0 has no checkpoint to keep)
                 run.best.improved(progress.step, summary["eval"])
     if progress.step > resumed_from:  # else the final checkpoint is already there
-        save_checkpoint(run, progress, final_eval=summary["eval"])
-    elif run.env.is_main and progress.step:  # the eval of the resumed checkpoint may have made it the best
-        run.best.write(run.run_dir)
+        save_checkpoint(run, progress, final_eval=summary["eval"], complete=True)
+    else:
+        checkpoint.wait_for_background(run.background_save)  # (none is in flight: no step was trained)
+        if run.env.is_main and progress.step:  # the eval of the resumed checkpoint may have made it the best
+            run.best.write(run.run_dir)
     # train.max_steps=0 evaluates only: no step, no checkpoint
     summary["checkpoint"] = str(run.run_dir / "checkpoints" / str(progress.step)) if progress.step else None
     if run.best.metric and progress.step:
@@ -255,22 +265,26 @@ def step_ledger(run: Run, progress: Progress) -> StepLedger:
     return StepLedger(progress, run.scheduler, run.max_bad_steps, run.run_dir / "checkpoints")
 
 
-def save_checkpoint(run: Run, progress: Progress, final_eval: dict[str, float] | None = None) -> None:
-    """All ranks enter (RNG states are gathered); rank 0 writes checkpoints/<step>/. `final_eval`: the final
-    save's eval, so that a start from it does not record the run's end again."""
+def save_checkpoint(run: Run, progress: Progress, final_eval: dict[str, float] | None = None,
+                    complete: bool = False) -> None:
+    """All ranks enter (RNG states are gathered); rank 0 writes checkpoints/<step>/, in the background with
+    train.ckpt_async unless `complete` (the final save, a preemption's), which returns once it is written.
+    `final_eval`: the final save's eval, so that a start from it does not record the run's end again."""
     run.watchdog.at("checkpoint", progress.step)
     write_model_files = getattr(run.task, "write_model_files", None)  # optional in the Task interface
-    # The others wait in a collective while rank 0 writes and checksums: gigabytes to a shared file system can
-    # take longer than dist.timeout_s, and NCCL's watchdog would end the waiting ranks (the save lost with them)
+    best = run.best.record(run.run_dir)  # best.json names the checkpoint that holds this best once it is complete
+    # The others wait in a collective while rank 0 writes and checksums (or waits for the save before): gigabytes to
+    # a shared file system can take longer than dist.timeout_s, and NCCL's watchdog would end the waiting ranks
     training_timeout(max(run.checkpoint_timeout_s, run.timeout_s))
     try:
         checkpoint.save(run.run_dir, progress.step, run.module, train_state(run, progress, final_eval),
-                        run.keep_checkpoints, run.env.device, also_keep=run.best.step,
-                        model_files=write_model_files and (lambda directory: write_model_files(run.module, directory)))
+                        run.keep_checkpoints, run.env.device, also_keep=run.best.step, background=run.background_save,
+                        model_files=write_model_files and (lambda directory: write_model_files(run.module, directory)),
+                        then=partial(write_best, run.run_dir, best))
+        if complete:
+            checkpoint.wait_for_background(run.background_save)
     finally:
         training_timeout(run.timeout_s)
-    if run.env.is_main:  # the checkpoint that holds this best is complete (the save ends in a collective)
-        run.best.write(run.run_dir)
 
 
 def train_state(run: Run, progress: Progress, final_eval: dict[str, float] | None = None) -> dict[str, Any]:

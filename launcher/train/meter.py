@@ -61,6 +61,7 @@ class Meter:
     def reset(self) -> None:
         self.steps = self.samples = 0
         self.data_wait_s = self.left_out_s = 0.0
+        self.ckpt_wait_s = 0.0  # the training thread's time in saves (the loop adds it): a save's cost to the steps
         self.started = time.perf_counter()
         self.loss.zero_()
         self.tokens: int | None = None  # this rank's, counted on the CPU (text jobs only)
@@ -95,6 +96,7 @@ class Meter:
         record["mfu"] = None if self.peak is None else \
             self.flops_per_item * items_per_sec / (self.peak * self.world_size)
         record["data_wait_frac"] = self.data_wait_s / elapsed
+        record["ckpt_wait_s"] = self.ckpt_wait_s
         record["peak_mem_mb"] = peak_memory_mb(self.device)
         record.update(self.timer.read())
         self.reset()

@@ -25,6 +25,7 @@ from launcher.derived import NODE_CONFIG, auto_precision, config_hash, differing
 from launcher.preempt import REQUEUE_EXIT_CODE, StopFlag, preemption_signals
 from launcher.train import checkpoint, micro_batch
 from launcher.train import dist as launcher_dist
+from launcher.train.background_save import BackgroundSave
 from launcher.train.best import Best
 from launcher.train.compile_cache import CompileCache
 from launcher.train.compiled import CompileWatch, cannot_compile, compile_module, failures_in_one_line
@@ -113,6 +114,7 @@ def build(cfg: DictConfig, run_dir: Path, env: launcher_dist.DistEnv) -> Run:
               watchdog=Watchdog(run_dir, env.rank, cfg.dist.hang_timeout_s),
               compile_watch=CompileWatch(compiling, train_cfg.compile_mode), compile_cache=compile_cache,
               sync_check=SyncCheck(train_cfg.sync_check, env.device), best=best_eval(task, train_cfg),
+              background_save=BackgroundSave(env.device) if train_cfg.ckpt_async else None,
               profiler=StepProfiler(run_dir, env.rank, train_cfg.profile, list(train_cfg.profile_ranks), env.device))
     if "pretrained" in sources["model"]:
         run.log.info(f"model.pretrained={cfg.model.pretrained}: from checkpoint {sources['model']['pretrained']}")
