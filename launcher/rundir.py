@@ -21,6 +21,8 @@ PRETRAINED_FILE = "pretrained.json"  # the checkpoints that such keys naming a r
 HANG_DIR = "hang"  # <run_dir>/hang/rank<N>.txt: a rank's hang report
 BEST_FILE = "best.json"  # train.best_metric: the best eval so far and the step of its checkpoint
 SUMMARY_FILE = "summary.json"  # rank 0's last write, at the end of a run (none after a preemption)
+LOG_FILE = "launcher.log"  # what the launcher and rank 0 printed, every start of the run (launcher/launch/run_log.py)
+ERROR_FILE = "error.txt"  # why the last start failed: its one line, then the failed rank's traceback
 
 
 def write_atomically(path: Path, text: str) -> None:

@@ -72,8 +72,8 @@ def test_a_slurm_submission_into_a_run_dir_in_use_submits_nothing(tmp_path: Path
     finally:
         holder.kill()
         holder.wait()
-    assert out.returncode == 0, out.stdout + out.stderr
-    assert f"run dir {run_dir}: a launch (pid {holder.pid} on " in out.stdout and "nothing to start" in out.stdout
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert f"error: run dir {run_dir}: a launch (pid {holder.pid} on " in out.stderr and "nothing started" in out.stderr
     assert not (run_dir / "config.yaml").exists() and not (run_dir / "slurm.json").exists()
 
 
@@ -91,8 +91,8 @@ def test_a_second_launch_into_a_running_run_dir_starts_nothing(tmp_path: Path) -
             out, err = second.communicate(timeout=120)
         finally:
             second.kill()
-        assert second.returncode == 0, out + err
-        assert f"run dir {run_dir}: a launch (pid {first.pid} on " in out and "nothing to start" in out
+        assert second.returncode == 1, out + err  # a script that launched it learns that nothing started
+        assert f"error: run dir {run_dir}: a launch (pid {first.pid} on " in err and "nothing started" in err
         assert "worker(s)" not in out + err  # (the line of a launch that starts its workers)
         assert files == {name: (run_dir / name).read_text() for name in files}
         assert " RUNNING " in status_row(run_dir)

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from launcher.derived import ConfigError
@@ -22,10 +23,11 @@ from launcher.launch.checks import check_job_inputs
 from launcher.launch.environment import environment_record
 from launcher.launch.errors import release_stderr
 from launcher.launch.known_keys import check_known_keys
-from launcher.launch.local import local_rendezvous, run_local, torchrun_args
+from launcher.launch.local import local_rendezvous, run_local, threads_per_worker, torchrun_args
 from launcher.launch.plan import Plan, make_plan, resolve, write_config
 from launcher.launch.resume import check_resume, finished
 from launcher.launch.run_lock import LOCK_FILE, launch_lock
+from launcher.launch.run_log import kept_in
 from launcher.launch.slurm import active_job
 from launcher.launch.slurm_submit import dependency, queue
 from launcher.launch.tracker_start import hydra_point, mark_failed, start_trackers
@@ -85,10 +87,14 @@ def main(cfg: DictConfig) -> None:
     nodes = cfg.launcher.name == "local" and str(cfg.launcher.get("nnodes", 1)) != "1"
     with nullcontext() if nodes else launch_lock(run_dir) as holder:
         if holder:  # its checkpoints change as we look: check nothing, write nothing
-            print(f"run dir {run_dir}: a launch ({holder}) runs there; nothing to start (wait for it to end, or "
-                  f"stop it first to start this command instead)", flush=True)
-            return
-        launch(cfg, run_dir)
+            if HydraConfig.get().mode == RunMode.MULTIRUN:  # two runs of one sweep's command share its points
+                print(f"run dir {run_dir}: a launch ({holder}) runs this point; going on with the next", flush=True)
+                return
+            print(f"error: run dir {run_dir}: a launch ({holder}) runs there; nothing started (wait for it to end, or "
+                  f"stop it first to start this command instead)", file=sys.stderr, flush=True)
+            sys.exit(1)  # a script that launched it sees the refusal
+        with kept_in(run_dir):  # launcher.log: what this launch prints, in the run dir
+            launch(cfg, run_dir)
 
 
 def launch(cfg: DictConfig, run_dir: Path) -> None:
@@ -128,7 +134,9 @@ def launch(cfg: DictConfig, run_dir: Path) -> None:
         queue(run_dir, config_path, plan, cfg.launcher, point.sweep_dir, new)
         return
     resuming = "" if resume_step is None else f" | resuming (latest checkpoint: step {resume_step})"
-    print(f"run dir {run_dir} | {plan.world_size} worker(s) on {plan.device_type} | "
+    threads = threads_per_worker(plan)
+    each = f", {threads} thread(s) each" if threads else ""  # (OMP_NUM_THREADS, unless the user set it)
+    print(f"run dir {run_dir} | {plan.world_size} worker(s) on {plan.device_type}{each} | "
           f"grad accum {plan.grad_accum_steps or 'auto (the workers find the micro-batch)'} | "
           f"{speed_line(config, plan)}{resuming}", flush=True)
     if cfg.launcher.dry_run:  # the config is written and checked; show what would run, start nothing

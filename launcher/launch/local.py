@@ -28,6 +28,7 @@ from launcher.compat import (FLIGHT_RECORDER_BUFFER_SIZE, FLIGHT_RECORDER_DUMP_F
                              torchrun_shutdown_args, torchrun_signal_args)
 from launcher.derived import NODE_CONFIG, node_view
 from launcher.launch.plan import Plan
+from launcher.launch.run_log import forget_failure, record_failure
 from launcher.preempt import (PREEMPTED_FILE, REQUEUE_EXIT_CODE, early_signal, preemption_signals, read_preempted,
                               stop_line, write_preempted)
 from launcher.rundir import HANG_DIR, SUMMARY_FILE, complete_steps, hang_summary
@@ -90,16 +91,29 @@ def rendezvous_endpoint(rendezvous: list[str]) -> str:
     return next((arg.split("=", 1)[1] for arg in rendezvous if arg.startswith("--rdzv-endpoint=")), "localhost")
 
 
+def threads_per_worker(plan: Plan) -> int | None:
+    """The intra-op threads of each worker: this node's cores shared out among its workers (None: the user's own
+    OMP_NUM_THREADS stands)."""
+    if "OMP_NUM_THREADS" in os.environ:
+        return None
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, cores // plan.nproc_per_node)
+
+
 def worker_env(plan: Plan, run_dir: Path) -> dict[str, str]:
     """What the agent's workers get on top of this process's environment (a user's own setting wins).
 
-    Every worker learns the agent's pid, so that it ends with this process (launcher/train/orphan.py). A CPU
+    Every worker learns the agent's pid, so that it ends with this process (launcher/train/orphan.py), and its
+    share of the node's cores as OMP_NUM_THREADS (the launcher's first line says how many). A CPU
     plan's workers get CUDA_VISIBLE_DEVICES="": they never see, or initialise, a GPU. A CUDA plan's
     workers get the CUDA allocator's expandable segments, and NCCL's flight recorder (each rank's last 2000
     collectives; torch records none before 2.11 unless told) dumps into <run_dir>/comm_traces/ when a collective
     times out, under the variables' names that this torch reads (launcher/compat.py).
     """
     env = {AGENT_PID: str(os.getpid())}  # the agent runs in this process: the workers end with it
+    threads = threads_per_worker(plan)
+    if threads:  # else torchrun sets 1 for several workers, with a banner that says to tune it
+        env["OMP_NUM_THREADS"] = str(threads)
     if plan.device_type == "cpu":
         return {**env, "CUDA_VISIBLE_DEVICES": ""}
     # Expandable segments: less fragmentation, so fewer out-of-memory errors at a size that fits. The old
@@ -136,6 +150,7 @@ def run_agent(config_path: Path, plan: Plan, launcher: DictConfig, rendezvous: l
     """Run torchrun's agent for this node's workers in this process and wait; returns the node's exit code."""
     run_dir, signals = config_path.parent, preemption_signals(launcher.signal)
     shutil.rmtree(run_dir / HANG_DIR, ignore_errors=True)  # reports of an earlier launch say nothing now
+    forget_failure(run_dir)  # (its error.txt neither)
     env = {**worker_env(plan, run_dir), **(extra_env or {})}
     if plan.device_type == "cuda":  # where the flight recorder dumps (torch does not make the folder)
         (run_dir / COMM_TRACES_DIR).mkdir(exist_ok=True)
@@ -160,20 +175,25 @@ def run_agent(config_path: Path, plan: Plan, launcher: DictConfig, rendezvous: l
         why = (str(err).strip().splitlines() or [type(err).__name__])[0]
         fix = ("another node of the job failed before its agent started: see the job's other logs" if
                launcher.name == "slurm" else "start the same command on every node, with an endpoint they all reach")
-        print(f"error: the rendezvous of {plan.nnodes} nodes at {rendezvous_endpoint(rendezvous)} failed: {why} "
-              f"(launcher.rdzv_timeout_s={launcher.rdzv_timeout_s}); {fix}", file=sys.stderr)
+        line = (f"error: the rendezvous of {plan.nnodes} nodes at {rendezvous_endpoint(rendezvous)} failed: {why} "
+                f"(launcher.rdzv_timeout_s={launcher.rdzv_timeout_s}); {fix}")
+        print(line, file=sys.stderr)
+        record_failure(run_dir, line)
         return 1
     except ChildFailedError as err:
         rank, failure = err.get_first_failure()
         code = failure.exitcode if failure.exitcode > 0 else 1
         if code != REQUEUE_EXIT_CODE:
             message = failure.message  # from the worker's error file: a dict, or a plain string
+            stack = ""
             if isinstance(message, dict):
+                stack = (message.get("extraInfo") or {}).get("py_callstack", "")
                 message = message.get("message", "")
             reason = last_line(str(message)) if message else f"exit code {failure.exitcode}"
             hung = hang_summary(run_dir)
-            print(f"error: rank {rank} failed: {reason} (run dir {run_dir}){'; ' + hung if hung else ''}",
-                  file=sys.stderr)
+            line = f"error: rank {rank} failed: {reason} (run dir {run_dir}){'; ' + hung if hung else ''}"
+            print(line, file=sys.stderr)
+            record_failure(run_dir, line, f"rank {rank}'s traceback:\n{stack or message}")
             return code
     else:
         code = 0

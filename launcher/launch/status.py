@@ -1,4 +1,5 @@
-"""`python -m launcher.launch.status <run dir or sweep dir>`: per run, its state (Slurm's; RUNNING: a local launch),
+"""`python -m launcher.launch.status <run dir or sweep dir>`: per run, its state (Slurm's; RUNNING: a local launch;
+FAILED with its error line, DONE, PREEMPTED, DRY-RUN),
 last step and loss, the last eval metrics, the best eval (train.best_metric) and the latest complete checkpoint.
 """
 from __future__ import annotations
@@ -8,10 +9,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from launcher.launch.run_lock import lock_holder
+from launcher.launch.run_log import failure_line
 from launcher.launch.slurm import recorded_job, slurm_states
 from launcher.preempt import PREEMPTED_FILE
-from launcher.rundir import SUMMARY_FILE, best_record, complete_steps
+from launcher.rundir import ERROR_FILE, SUMMARY_FILE, best_record, complete_steps
 
 
 def run_dirs(root: Path) -> list[Path]:
@@ -26,16 +30,21 @@ def describe(run_dir: Path, job: str | None, slurm: dict[str, str]) -> dict[str,
     """One row; slurm: the Slurm state of every job in the table."""
     row: dict[str, Any] = {"run": str(run_dir), "job": job or "-", "state": "-", "step": "-", "loss": "-",
                            "eval": "-", "best": "-", "checkpoint": "-"}
+    error, summary = run_dir / ERROR_FILE, run_dir / SUMMARY_FILE
     if lock_holder(run_dir):  # a local launch's workers run (also in the run dir of a Slurm job that ended)
         row["state"] = "RUNNING"
     elif job and slurm[job] != "UNKNOWN":
         row["state"] = slurm[job]
-    elif (run_dir / SUMMARY_FILE).is_file():  # (a job that Slurm here cannot tell of: the run dir can)
+    elif error.is_file() and (not summary.is_file() or error.stat().st_mtime >= summary.stat().st_mtime):
+        row["state"] = "FAILED"  # the last start failed (a summary before it is an earlier start's end)
+    elif summary.is_file():  # (a job that Slurm here cannot tell of: the run dir can)
         row["state"] = "DONE"
     elif (run_dir / PREEMPTED_FILE).is_file():
         row["state"] = "PREEMPTED"
     elif job:
         row["state"] = "UNKNOWN"
+    elif _dry_run(run_dir):
+        row["state"] = "DRY-RUN"  # launcher.dry_run=true wrote the config and started nothing
     metrics = run_dir / "metrics.jsonl"
     for record in map(json.loads, metrics.read_text().splitlines() if metrics.is_file() else []):
         if "loss" in record:
@@ -48,6 +57,11 @@ def describe(run_dir: Path, job: str | None, slurm: dict[str, str]) -> dict[str,
     steps = complete_steps(run_dir)
     row["checkpoint"] = steps[-1] if steps else "-"
     return row
+
+
+def _dry_run(run_dir: Path) -> bool:
+    launcher = (yaml.safe_load((run_dir / "config.yaml").read_text()) or {}).get("launcher") or {}
+    return bool(launcher.get("dry_run")) and not (run_dir / "metrics.jsonl").exists()
 
 
 def main(argv: list[str]) -> int:
@@ -64,6 +78,9 @@ def main(argv: list[str]) -> int:
     widths = {c: max(len(c), *(len(str(r[c])) for r in rows)) for c in columns}
     for row in [dict(zip(columns, columns)), *rows]:
         print("  ".join(str(row[c]).ljust(widths[c]) for c in columns).rstrip())
+    for run_dir, row in zip(jobs, rows):  # why, in the failed start's own line (error.txt holds its traceback)
+        if row["state"] == "FAILED" and failure_line(run_dir):
+            print(f"{run_dir}: {failure_line(run_dir)} (more in {run_dir / ERROR_FILE})")
     return 0
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from launcher.preempt import write_preempted
-from launcher.rundir import BEST_FILE, SUMMARY_FILE, ended_summary
+from launcher.rundir import BEST_FILE, LOG_FILE, SUMMARY_FILE, ended_summary
 from launcher.tracker import Resume, Trackers, open_trackers
 
 FALLING_SCALE_LOGS = 3  # an fp16 loss scale that fell at this many logged steps in a row is worth a warning
@@ -29,7 +29,7 @@ class RunLog:
         self.run_dir, self.enabled, self.straggler_ratio = run_dir, enabled, straggler_ratio
         self.config = config if config is not None else {"logger": {"tensorboard": {}}}  # what picks the trackers
         self.start = time.time()
-        self._metrics = self._samples = self._bar = None
+        self._metrics = self._samples = self._bar = self._log = None
         self._trackers = Trackers(self.warn)
         self._scales: list[float] = []
         self._slowest: list[int | None] = []  # per log: the rank over the ratio, or None
@@ -67,10 +67,18 @@ class RunLog:
             self._bar.console.print(message, markup=False, highlight=False)
         else:
             print(message, file=sys.stdout, flush=True)
+        self._keep(message)
 
     def warn(self, message: str) -> None:
         if self.enabled:
             print(message, file=sys.stderr, flush=True)
+            self._keep(message)
+
+    def _keep(self, message: str) -> None:
+        """Rank 0's lines go to <run_dir>/launcher.log too, beside the launcher's own (launcher/launch/run_log.py)."""
+        if self._log is None:
+            self._log = open(self.run_dir / LOG_FILE, "a", buffering=1)
+        self._log.write(message + "\n")
 
     def advance(self) -> None:
         if self._bar:
@@ -141,8 +149,8 @@ class RunLog:
         if ended_before and ended_summary(self.run_dir, record["steps"]):
             then()
             self.close()
-            print(f"done: the run had ended before this start ({self.run_dir / 'summary.json'} stands); final loss "
-                  f"{_fmt(record['final_loss'])}", flush=True)
+            self.info(f"done: the run had ended before this start ({self.run_dir / 'summary.json'} stands); final loss "
+                      f"{_fmt(record['final_loss'])}")
             return
         (self.run_dir / SUMMARY_FILE).write_text(json.dumps(record, indent=2) + "\n")
         then()
@@ -159,18 +167,21 @@ class RunLog:
             if key in record:
                 table.add_row(key, _fmt(record[key]))
         Console(file=sys.stdout, width=120).print(table)
-        if record["steps"] == 0:  # train.max_steps=0
+        steps, resumed_from = record["steps"], record["resumed_from"]
+        if steps == 0:  # train.max_steps=0
             evaluated = _fmt(record.get("eval")) or "none (the job has no eval set)"
-            print(f"done: evaluated without training, eval {evaluated}; run dir {self.run_dir}", flush=True)
-        elif record["resumed_from"] == record["steps"]:  # nothing was left to train (a preemption at the last step)
-            print(f"done: the run had trained its {record['steps']} steps before this start, final loss "
-                  f"{_fmt(record['final_loss'])}; run dir {self.run_dir}", flush=True)
-        else:
-            print(f"done: {record['steps']} steps in {record['wall_time_s']:.1f}s, final loss "
-                  f"{_fmt(record['final_loss'])}; run dir {self.run_dir}", flush=True)
+            self.info(f"done: evaluated without training, eval {evaluated}; run dir {self.run_dir}")
+        elif resumed_from == steps:  # nothing was left to train (a preemption at the last step)
+            self.info(f"done: the run had trained its {steps} steps before this start, final loss "
+                      f"{_fmt(record['final_loss'])}; run dir {self.run_dir}")
+        else:  # this start's steps, and their time
+            trained = f"{steps - resumed_from} steps (steps {resumed_from + 1}-{steps})" if resumed_from else \
+                f"{steps} steps"
+            self.info(f"done: {trained} in {record['wall_time_s']:.1f}s, final loss {_fmt(record['final_loss'])}; "
+                      f"run dir {self.run_dir}")
         if "profile" in record:
-            print(f"profile: open the .pt.trace.json files of {record['profile']} in ui.perfetto.dev, or run "
-                  f"tensorboard --logdir {record['profile']}", flush=True)
+            self.info(f"profile: open the .pt.trace.json files of {record['profile']} in ui.perfetto.dev, or run "
+                      f"tensorboard --logdir {record['profile']}")
 
     def close(self) -> None:
         if self._bar:
