@@ -20,6 +20,7 @@ from omegaconf import DictConfig
 
 from launcher.derived import ConfigError
 from launcher.launch.checks import check_job_inputs
+from launcher.launch.continue_run import continued_run_dir
 from launcher.launch.environment import environment_record
 from launcher.launch.errors import release_stderr
 from launcher.launch.known_keys import check_known_keys
@@ -83,6 +84,12 @@ def shared_run_dir(nnodes: int) -> None:
 def main(cfg: DictConfig) -> None:
     release_stderr()  # Hydra composed the config: from here on our errors are one line already
     run_dir = Path(HydraConfig.get().runtime.output_dir)
+    continued = continued_run_dir(cfg, run_dir)
+    if continued:  # the same command again after a crash or Ctrl-C: its run goes on, not a new one from step 0
+        print(f"continuing run dir {continued}: the last run of this same command is unfinished (resume=never or "
+              f"hydra.run.dir=<a new dir> starts a new run)", flush=True)
+        discard_if_fresh(run_dir)
+        run_dir = continued
     # The nodes of a multi-node local run each run this command in one run dir, by design
     nodes = cfg.launcher.name == "local" and str(cfg.launcher.get("nnodes", 1)) != "1"
     with nullcontext() if nodes else launch_lock(run_dir) as holder:
