@@ -43,6 +43,11 @@ def test_a_failed_start_leaves_its_error_and_the_next_start_its_own_record(tmp_p
     fixed = run_cli(*TOY, "train.max_steps=20", "train.ckpt_every=10", f"hydra.run.dir={run_dir}", cwd=tmp_path)
     assert fixed.returncode == 0, fixed.stderr[-3000:]
     assert not (run_dir / "error.txt").exists()
+    # start-up, phase by phase, with the time since the launch; off a terminal the step lines carry an ETA
+    phases = [line for line in fixed.stdout.splitlines() if re.search(r" \(\d+\.\ds after the launch\)$", line)]
+    assert [line.split(" (")[0] for line in phases] == [
+        "rendezvous done: world size 2; building the job", "first step"], phases
+    assert re.search(r"^step 10/20 \| .* \| eta \d+s$", fixed.stdout, re.M), fixed.stdout
     assert status(run_dir)[1].split()[2] == "DONE"
     more = run_cli(*TOY, "train.max_steps=30", "train.ckpt_every=10", "resume.allow_config_change=true",
                    f"hydra.run.dir={run_dir}", cwd=tmp_path)
@@ -55,9 +60,14 @@ def test_a_failed_start_leaves_its_error_and_the_next_start_its_own_record(tmp_p
 
 
 def test_a_dry_run_is_told_apart_and_torchrun_s_thread_banner_is_the_launcher_s_line(tmp_path: Path) -> None:
+    """Also: bf16 on a CPU without bf16 instructions (CI's: AVX2 only) is slower than fp32, which one line says."""
     run_dir = tmp_path / "dry"
-    out = run_cli(*TOY, "launcher.dry_run=true", f"hydra.run.dir={run_dir}", cwd=tmp_path)
+    out = run_cli(*TOY, "precision=bf16", "launcher.dry_run=true", f"hydra.run.dir={run_dir}", cwd=tmp_path)
     assert out.returncode == 0, out.stderr
+    flags = set(Path("/proc/cpuinfo").read_text().split()) if Path("/proc/cpuinfo").is_file() else set()
+    if flags and not {"avx512_bf16", "amx_bf16"} & flags:  # emulated here
+        assert re.search(r"warning: precision=bf16 on this CPU is emulated .* a matmul took \d+\.\dx its fp32 time",
+                         out.stderr), out.stderr
     assert status(run_dir)[1].split()[2] == "DRY-RUN"
     assert "dry run: would run python -m torch.distributed.run" in (run_dir / "launcher.log").read_text()
     env = subprocess_env()

@@ -179,10 +179,11 @@ def test_preempted_or_requeued_job_resumes_in_the_same_run_dir(cluster, tmp_path
         subprocess.run(["scontrol", "requeue", job], check=True)
     out, err = proc.communicate(timeout=300)
     assert proc.returncode == 0, out[-2000:] + err[-3000:]
-    log = "".join(p.read_text() for p in (run_dir / "slurm").glob("*_log.out"))
+    log = "".join(p.read_text() for p in sorted((run_dir / "slurm").glob("*_log.*")))
     if how == "signal":
         assert json.loads((run_dir / "requeues.json").read_text()) == {"job_id": job, "count": 1}
-        assert "preempted by signal 12: checkpoint saved at step" in log
+        assert len(re.findall(r"preempted by SIGUSR2: checkpoint saved at step", log)) == 1, log[-3000:]
+        assert "preempted by signal 12: checkpoint saved at step" in (run_dir / "launcher.log").read_text()
     assert re.search(r"resumed from step (\d+)", log)
     assert final_state(job) == "COMPLETED"
     assert [m["step"] for m in read_metrics(run_dir) if "loss" in m] == list(range(1, 41))

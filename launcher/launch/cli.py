@@ -21,6 +21,7 @@ from omegaconf import DictConfig
 from launcher.derived import ConfigError
 from launcher.launch.checks import check_job_inputs
 from launcher.launch.continue_run import continued_run_dir
+from launcher.launch.cpu_precision import slow_precision_warning
 from launcher.launch.environment import environment_record
 from launcher.launch.errors import release_stderr
 from launcher.launch.known_keys import check_known_keys
@@ -141,6 +142,10 @@ def launch(cfg: DictConfig, run_dir: Path) -> None:
         queue(run_dir, config_path, plan, cfg.launcher, point.sweep_dir, new)
         return
     resuming = "" if resume_step is None else f" | resuming (latest checkpoint: step {resume_step})"
+    if plan.device_type == "cpu" and config["precision"]["name"] in ("bf16", "fp16"):  # (this host's CPU: local runs)
+        warning = slow_precision_warning(config["precision"]["name"])
+        if warning:
+            print(warning, file=sys.stderr, flush=True)
     threads = threads_per_worker(plan)
     each = f", {threads} thread(s) each" if threads else ""  # (OMP_NUM_THREADS, unless the user set it)
     print(f"run dir {run_dir} | {plan.world_size} worker(s) on {plan.device_type}{each} | "

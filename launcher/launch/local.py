@@ -13,6 +13,7 @@ import os
 import shutil
 import signal
 import sys
+import time
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
@@ -33,6 +34,7 @@ from launcher.preempt import (PREEMPTED_FILE, REQUEUE_EXIT_CODE, early_signal, p
                               stop_line, write_preempted)
 from launcher.rundir import HANG_DIR, SUMMARY_FILE, complete_steps, hang_summary
 from launcher.train.orphan import AGENT_PID
+from launcher.train.phases import LAUNCH_TIME
 
 COMM_TRACES_DIR = "comm_traces"  # NCCL flight recorder dumps, one file per rank, when a collective times out
 
@@ -111,6 +113,7 @@ def worker_env(plan: Plan, run_dir: Path) -> dict[str, str]:
     times out, under the variables' names that this torch reads (launcher/compat.py).
     """
     env = {AGENT_PID: str(os.getpid())}  # the agent runs in this process: the workers end with it
+    env[LAUNCH_TIME] = os.environ.get(LAUNCH_TIME) or str(time.time())  # their start-up phases count from it
     threads = threads_per_worker(plan)
     if threads:  # else torchrun sets 1 for several workers, with a banner that says to tune it
         env["OMP_NUM_THREADS"] = str(threads)

@@ -7,10 +7,20 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from omegaconf import OmegaConf
 
 from launcher.derived import ConfigError, config_hash, differing_keys, trajectory_config
 from launcher.rundir import complete_steps, ended_summary
+
+
+def new_dir_key() -> str:
+    """The key that gives a run a new dir: hydra.sweep.dir for a point of a -m sweep (its run dir is a subdir)."""
+    try:
+        return "hydra.sweep.dir" if HydraConfig.get().mode == RunMode.MULTIRUN else "hydra.run.dir"
+    except ValueError:  # outside a Hydra run (a test calling the check itself)
+        return "hydra.run.dir"
 
 
 def check_resume(run_dir: Path, config: dict[str, Any]) -> int | None:
@@ -22,7 +32,7 @@ def check_resume(run_dir: Path, config: dict[str, Any]) -> int | None:
                           f"use resume=auto to start fresh, or point hydra.run.dir at the run to resume")
     if mode == "never" and steps:
         raise ConfigError(f"resume=never but {run_dir} already holds checkpoints (latest step {steps[-1]}); "
-                          f"use a new hydra.run.dir or resume=auto")
+                          f"use a new {new_dir_key()} or resume=auto")
     if not steps or mode == "never":
         return None
     previous = run_dir / "config.yaml"
@@ -31,18 +41,18 @@ def check_resume(run_dir: Path, config: dict[str, Any]) -> int | None:
             old = trajectory_config(OmegaConf.to_container(OmegaConf.load(previous)))
         except Exception as err:  # unreadable, or not YAML
             raise ConfigError(f"{previous} cannot be read ({type(err).__name__}); restore it, use a new "
-                              f"hydra.run.dir, or set resume.allow_config_change=true") from None
+                              f"{new_dir_key()}, or set resume.allow_config_change=true") from None
         changed = differing_keys(old, trajectory_config(config))
         if changed:
             raise ConfigError(f"the checkpoints in {run_dir} were trained with a different config "
-                              f"({', '.join(changed)} changed); restore it, use a new hydra.run.dir, "
+                              f"({', '.join(changed)} changed); restore it, use a new {new_dir_key()}, "
                               f"or set resume.allow_config_change=true")
     max_steps = config["train"]["max_steps"]
     if steps[-1] > max_steps:  # the workers would train nothing, and record a second end of the run
         evaluate = (f" (with model.pretrained={run_dir} train.max_steps=0 it evaluates this run)"
                     if "pretrained" in config.get("model", {}) else "")
         raise ConfigError(f"the latest checkpoint in {run_dir} is step {steps[-1]}, past train.max_steps={max_steps}; "
-                          f"raise train.max_steps, or use a new hydra.run.dir{evaluate}")
+                          f"raise train.max_steps, or use a new {new_dir_key()}{evaluate}")
     return steps[-1]
 
 
@@ -60,8 +70,8 @@ def finished(run_dir: Path, config: dict[str, Any], resume_step: int | None) -> 
     if max_steps:
         return (f"run dir {run_dir} already finished: {max_steps} steps, final loss {summary['final_loss']:.4g}, eval "
                 f"{evaluated}; nothing to run (to train on, raise train.max_steps with "
-                f"resume.allow_config_change=true; to train again, use a new hydra.run.dir)")
+                f"resume.allow_config_change=true; to train again, use a new {new_dir_key()})")
     if summary.get("config_hash") != config_hash(config):  # train.max_steps=0 with another config: a new evaluation
         return None
     return (f"run dir {run_dir} already evaluated without training: eval {evaluated}; nothing to run (to "
-            f"evaluate again, use a new hydra.run.dir or resume=never)")
+            f"evaluate again, use a new {new_dir_key()} or resume=never)")

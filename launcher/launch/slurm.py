@@ -11,6 +11,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from contextlib import nullcontext
 from pathlib import Path
 
@@ -22,6 +23,7 @@ from launcher.launch.local import c10d_rendezvous, run_agent
 from launcher.launch.plan import Plan
 from launcher.launch.run_lock import launch_lock
 from launcher.preempt import OUT_OF_MEMORY_EXIT_CODE, PREEMPTED_FILE, REQUEUE_EXIT_CODE, read_preempted
+from launcher.train.phases import LAUNCH_TIME
 
 REQUEUES_FILE = "requeues.json"  # how often the job requeued itself (preempted, out of memory); launcher.max_requeues
 JOB_FILE = "slurm.json"  # the job id and log dir, for `python -m launcher.launch.status`
@@ -104,6 +106,7 @@ class NodeTask(submitit.helpers.Checkpointable):
             host = os.environ.get("SLURM_LAUNCH_NODE_IPADDR") or env.hostnames[0]
             rendezvous = c10d_rendezvous(f"{host}:{rendezvous_port(env.job_id, restart)}", f"{env.job_id}-{restart}",
                                          cfg.launcher.rdzv_timeout_s)
+            os.environ[LAUNCH_TIME] = str(time.time())  # (sbatch copied the submit host's: not the queue's time)
             code = run_agent(config_path, Plan(**cfg.plan), cfg.launcher, rendezvous)
         if code in (REQUEUE_EXIT_CODE, OUT_OF_MEMORY_EXIT_CODE):
             # After the agent, SIGTERM has submitit's handler again, which ignores it: the SIGTERM of Slurm's

@@ -30,6 +30,7 @@ class RunLog:
         self.config = config if config is not None else {"logger": {"tensorboard": {}}}  # what picks the trackers
         self.start = time.time()
         self._metrics = self._samples = self._bar = self._log = None
+        self._from_step, self._from_time = 0, self.start  # this start's first step, and when it began (start_at)
         self._trackers = Trackers(self.warn)
         self._scales: list[float] = []
         self._slowest: list[int | None] = []  # per log: the rank over the ratio, or None
@@ -39,6 +40,7 @@ class RunLog:
         keeps none: not even an evaluation without training, train.max_steps=0, of an earlier start); open files."""
         if not self.enabled:
             return
+        self._from_step, self._from_time = step, time.time()
         lost = False  # did an earlier start log steps after `step`? The trackers log them again
         for name in ("metrics.jsonl", "samples.jsonl"):
             path = self.run_dir / name
@@ -98,8 +100,11 @@ class RunLog:
         if self._bar and "eval" not in record:  # a short status: a line wider than the terminal breaks the bar
             self._bar.update(self._task, status=" | ".join(
                 f"{k} {_fmt(record[k])}" for k in ("loss", "lr", "samples_per_sec") if k in record))
-        else:
-            self.info(f"step {record['step']}/{total_steps} | {shown}")
+        else:  # off a terminal the line carries the bar's ETA: this start's pace so far, to the last step
+            done = record["step"] - self._from_step
+            eta = (total_steps - record["step"]) * (time.time() - self._from_time) / done if done > 0 else None
+            self.info(f"step {record['step']}/{total_steps} | {shown}" +
+                      (f" | eta {_duration(eta)}" if eta is not None and "eval" not in record else ""))
         if "loss_scale" in record:
             self._watch_scale(record)
         if "step_time_max_over_median" in record:
@@ -137,7 +142,8 @@ class RunLog:
             write_preempted(self.run_dir, step, signum)
             self._trackers.call("preempted", step)
             how = "stopped" if signum == signal.SIGINT else "preempted"  # SIGINT: Ctrl-C
-            self.info(f"{how} by signal {signum}: checkpoint saved at step {step}")
+            # into launcher.log only: the launcher prints the stop once, with how to resume (launcher/preempt.py)
+            self._keep(f"{how} by signal {signum}: checkpoint saved at step {step}")
 
     def summary(self, record: dict[str, Any], ended_before: bool = False, then: Callable[[], Any] = lambda: None) -> None:
         """summary.json, the trackers' end and the table. `ended_before`: this start began after the run's final
@@ -200,6 +206,14 @@ class RunLog:
 
 def _number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _duration(seconds: float) -> str:
+    """1h02m, 3m05s, 42s."""
+    seconds = int(round(seconds))
+    if seconds >= 3600:
+        return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+    return f"{seconds // 60}m{seconds % 60:02d}s" if seconds >= 60 else f"{seconds}s"
 
 
 def _fmt(value: Any) -> str:

@@ -35,6 +35,7 @@ from launcher.train.ledger import Progress
 from launcher.train.loop import Run, train
 from launcher.train.metrics import RunLog
 from launcher.train.orphan import end_with_the_agent
+from launcher.train.phases import phase
 from launcher.train.precision import Precision
 from launcher.train.profile import StepProfiler
 from launcher.train.schedule import build_scheduler, resume_schedule
@@ -199,6 +200,7 @@ def main(config_path: str) -> None:
     stop = StopFlag(preemption_signals(cfg.launcher.signal))  # first: a signal during start-up is kept
     env = launcher_dist.init(cfg.plan.device_type, cfg.dist.backend,
                              launcher_dist.startup_timeout_s(cfg.dist.startup_timeout_s, cfg.dist.timeout_s))
+    phase(path.parent, env.is_main, f"rendezvous done: world size {env.world_size}; building the job (data, model)")
     try:
         summary = build_and_train(cfg, path, env, stop)  # the run and its DDP model end with this call
     finally:
@@ -226,16 +228,21 @@ def build_and_train(cfg: DictConfig, path: Path, env: launcher_dist.DistEnv, sto
                                f"than the node of rank 0; run the same command, with the same hydra.run.dir, on every node")
     state = None
     if cfg.resume.mode != "never":
+        if checkpoint.complete_steps(path.parent):
+            phase(path.parent, env.is_main, "loading the latest checkpoint")
         state = checkpoint.load_latest(path.parent, run.module, run.log.warn)
     progress = restore(run, state, cfg.train.seed, cfg.resume.allow_config_change)
     run.log.start_at(progress.step, run.max_steps)
     with failures_in_one_line(run.compile_watch.enabled, cfg.train.compile_fullgraph):  # the probe compiles first
         if run.out_of_memory.enabled:  # micro_batch_size=auto: the model, and any resumed optimizer state, are in place
             run.watchdog.at("micro-batch probe", progress.step)
+            phase(path.parent, env.is_main, "train.micro_batch_size=auto: finding the largest that fits")
             micro_batch.choose(run, cfg.train.max_micro_batch_size, state and state.get("micro_batch_size"))
         run.log.info(f"run dir {path.parent} | world size {env.world_size} | grad accum "
                      f"{run.grad_accum_steps} | precision {run.precision.name} | "
                      f"{'compiled' if run.compile_watch.enabled else 'eager'} | config {hashes[0]}")
+        phase(path.parent, env.is_main, "first step, compiling the model (minutes for a large one)"
+              if run.compile_watch.enabled else "first step")
         try:
             summary = train(run, progress, stop, state and state.get("final_eval"))
         except torch.OutOfMemoryError as error:  # where a step cannot be redone: report, and exit for a restart
