@@ -26,6 +26,26 @@ if os.environ.get("RANK", "0") != "0":  # one load report is enough
     transformers.logging.set_verbosity_error()
 
 
+def _load_model(cls: Any, pretrained: str, **kwargs: Any) -> torch.nn.Module:
+    """from_pretrained, with transformers' load report (a table of every key, and for the bundled model a warning
+    that it "seems corrupted") replaced by one line of rank 0: which weights start fresh (a fine-tune's new head,
+    which a resume then loads from the run's own checkpoint) and which of the checkpoint's go unused."""
+    verbosity = transformers.logging.get_verbosity()
+    transformers.logging.set_verbosity_error()
+    try:
+        model, info = _from_pretrained(cls, pretrained, output_loading_info=True, **kwargs)
+    finally:
+        transformers.logging.set_verbosity(verbosity)
+    fresh = sorted({*info.get("missing_keys", ()), *(str(m[0]) for m in info.get("mismatched_keys", ()))})
+    unused = sorted(info.get("unexpected_keys", ()))
+    said = ([f"initialised fresh: {', '.join(fresh)} (a resume loads them from this run's checkpoint)"] if fresh else []) \
+        + ([f"{len(unused)} weights of the checkpoint unused ({', '.join(sorted({k.split('.')[0] for k in unused}))})"]
+           if unused else [])
+    if said and os.environ.get("RANK", "0") == "0":
+        print(f"model.pretrained={pretrained}: {'; '.join(said)}", flush=True)
+    return model
+
+
 def _from_pretrained(cls: Any, pretrained: str, **kwargs: Any) -> Any:
     try:
         return cls.from_pretrained(pretrained, **kwargs)
@@ -58,8 +78,8 @@ def _config(pretrained: str, dropout: float | None, **kwargs: Any) -> dict[str, 
 def classification_model(pretrained: str, num_labels: int, dtype: str = "float32", dropout: float | None = None,
                          activation_checkpointing: bool = False) -> torch.nn.Module:
     """A hub id (bert-base-uncased) or a local dir; the classifier head is new when it has none."""
-    model = _from_pretrained(AutoModelForSequenceClassification, pretrained,
-                             **_config(pretrained, dropout, num_labels=num_labels))
+    model = _load_model(AutoModelForSequenceClassification, pretrained,
+                        **_config(pretrained, dropout, num_labels=num_labels))
     return checkpoint_activations(use_sdpa_unmasked(model), activation_checkpointing).to(getattr(torch, dtype))
 
 
@@ -95,7 +115,7 @@ def masked_lm_model(pretrained: str, dtype: str = "float32", dropout: float | No
     if model_type != "bert":  # BertForMaskedLM would load none of its weights and pre-train from random ones
         raise DataError(f"model.pretrained={pretrained} is a {model_type} model; model=bert_mlm pre-trains BERT only "
                          f"(model_type bert, as bert-base-uncased): give a BERT checkpoint")
-    model = _from_pretrained(BertMaskedLMSum, pretrained, **_config(pretrained, dropout))
+    model = _load_model(BertMaskedLMSum, pretrained, **_config(pretrained, dropout))
     return checkpoint_activations(use_sdpa_unmasked(model), activation_checkpointing).to(getattr(torch, dtype))
 
 

@@ -97,6 +97,21 @@ def test_empty_cells_and_labels_that_are_no_class_name_the_file_key_and_row(
     assert str(error.value).startswith(f"data.path={path} {expected}"), str(error.value)
 
 
+@pytest.mark.parametrize("case", ["missing text", "blank text"])
+def test_an_empty_text_cell_is_found_by_the_parent_before_any_worker_starts(tmp_path: Path, case: str) -> None:
+    """The workers said it only after their start-up (13 s on the CPU machine for +exp=bert), each of them."""
+    path = write(tmp_path / "train.csv", CELLS[case][0])
+    config = {"model": {}, "data": {"path": str(path), "text_fields": ["text"], "label_field": "label"}}
+    with pytest.raises(ConfigError, match=rf"^data\.path={path} row 2: no text in column 'text'; fill it in or drop"):
+        check_job_inputs(config, {})
+    lines = jsonl(tmp_path, "train.jsonl", [{"text": "good", "label": "pos"}, {"text": "ok", "label": "pos"},
+                                            {"label": "neg"}])
+    with pytest.raises(ConfigError, match=rf"^data\.path={lines} row 3: no text in column 'text'"):
+        check_job_inputs({"model": {}, "data": {**config["data"], "path": str(lines)}}, {})
+    check_job_inputs({"model": {}, "data": {**config["data"], "path": str(write(tmp_path / "ok.csv", "text,label\n"
+                                                                              "good,pos\nbad,neg\n"))}}, {})
+
+
 def test_integer_labels_are_ids(tmp_path: Path, tiny_bert: Path) -> None:
     """pandas writes an int column with an empty cell as floats: 1.0 is id 1. A name where the train labels are
     ids has no id."""

@@ -19,6 +19,7 @@ from launcher.derived import CHECKPOINTING_KEY, ConfigError
 from launcher.rundir import PRETRAINED_KEYS, is_run_dir, newest_checkpoint, pinned_checkpoint
 
 PATH_KEYS = ("path", "eval_path")  # data files a job reads
+MAX_SCANNED_BYTES = 256 << 20  # data files the parent reads whole for empty text cells (larger: the job finds them)
 COLUMN_KEYS = ("text_fields", "label_field", "text_field")  # columns a tabular file must hold
 TEXT_FIELDS_KEY = "text_fields"  # columns tokenized together: a text, or a pair (a tokenizer takes no third)
 LENGTH_KEY = "max_length"  # tokens per sample a text job keeps (data.max_length)
@@ -70,6 +71,24 @@ def _has_rows(path: Path) -> bool:
         return any(line.strip() for line in f)
 
 
+def _first_empty_cell(path: Path, fields: list[str]) -> tuple[int, str] | None:
+    """(row, column) of the first sample of a CSV / JSON Lines file without text in one of `fields`, numbered as
+    the jobs number them (from 1, after the header); files over MAX_SCANNED_BYTES are left to the job."""
+    if path.suffix not in (".csv", ".jsonl") or not fields or path.stat().st_size > MAX_SCANNED_BYTES:
+        return None
+    with open(path, newline="", encoding="utf-8-sig", errors="replace") as f:
+        rows = csv.DictReader(f) if path.suffix == ".csv" else (json.loads(line) for line in f if line.strip())
+        try:
+            for number, row in enumerate(rows, 1):
+                for field in fields:
+                    value = row.get(field) if isinstance(row, dict) else None
+                    if value is None or not str(value).strip():
+                        return number, field
+        except ValueError:  # a line that is no JSON (or CSV): the job's reader names it
+            return None
+    return None
+
+
 def check_job_inputs(config: dict[str, Any], pinned: dict[str, dict[str, str]]) -> None:
     """`pinned`: this run dir's pinned_pretrained, the checkpoints its earlier starts built from."""
     for group in ("model", "data"):  # model first: data.tokenizer usually repeats model.pretrained
@@ -117,6 +136,12 @@ def check_job_inputs(config: dict[str, Any], pinned: dict[str, dict[str, str]]) 
         if missing:
             raise ConfigError(f"data.{key}={path} has no column(s) {missing} (its columns: {columns}); "
                               f"set data.text_fields / data.label_field to its columns")
+        texts = [c for k in (TEXT_FIELDS_KEY, "text_field") for c in ([data[k]] if isinstance(data.get(k), str)
+                                                                     else data.get(k) or [])]
+        empty = _first_empty_cell(path, texts) if path and columns is not None else None
+        if empty:  # the workers would find it too, after seconds of start-up, on every rank
+            raise ConfigError(f"data.{key}={path} row {empty[0]}: no text in column {empty[1]!r}; fill it in or drop "
+                              f"the row")
 
 
 def _check_pretrained_run(key: str, run_dir: str, after: str | None) -> None:

@@ -42,6 +42,7 @@ class Submission:
 
 
 QUEUE: list[Submission] = []  # filled by the Hydra task for each run; submitted once Hydra is done
+UNREACHABLE = "Unable to contact slurm controller"  # sbatch's words when no controller answers (it is down)
 # What sbatch may refuse: named in the error line, as the keys to check against the cluster (sinfo, sacctmgr)
 REQUESTED = ("partition", "account", "qos", "constraint", "nodes", "gpus_per_node", "cpus_per_task", "mem_gb",
              "timeout_min")
@@ -160,6 +161,10 @@ def submit_queued() -> int:
         return 2
     except FailedJobError as err:  # sbatch refused the job: what the cluster has not (a partition, the nodes)
         why = [line.removeprefix("sbatch: error: ").strip() for line in said if line.startswith("sbatch: error:")]
+        if any(UNREACHABLE in line for line in why):  # no keys to blame: nobody answered
+            print(f"error: sbatch could not reach the Slurm controller ({'; '.join(why)}); nothing was submitted: check "
+                  f"that slurmctld runs and answers (scontrol ping), then launch again", file=sys.stderr)
+            return 1
         asked = ", ".join(f"launcher.{key}={launcher[key]}" for key in REQUESTED if launcher[key])
         print(f"error: sbatch refused the job: {'; '.join(why) or str(err).strip()} ({asked}); check them against "
               f"the cluster (sinfo, sacctmgr show assoc)", file=sys.stderr)

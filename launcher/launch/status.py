@@ -1,6 +1,7 @@
 """`python -m launcher.launch.status <run dir or sweep dir>`: per run, its state (Slurm's; RUNNING: a local launch;
 FAILED with its error line, DONE, PREEMPTED, DRY-RUN),
-last step and loss, the last eval metrics, the best eval (train.best_metric) and the latest complete checkpoint.
+last step and loss, the last eval metrics, the best eval (train.best_metric) and the latest complete checkpoint; for a
+sweep also each point's own overrides.
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from launcher.launch.run_lock import lock_holder
 from launcher.launch.run_log import failure_line
 from launcher.launch.slurm import recorded_job, slurm_states
 from launcher.preempt import PREEMPTED_FILE
-from launcher.rundir import ERROR_FILE, SUMMARY_FILE, best_record, complete_steps
+from launcher.rundir import ERROR_FILE, LAUNCH_FILE, SUMMARY_FILE, best_record, complete_steps
 
 
 def run_dirs(root: Path) -> list[Path]:
@@ -59,6 +60,14 @@ def describe(run_dir: Path, job: str | None, slurm: dict[str, str]) -> dict[str,
     return row
 
 
+def _overrides(run_dir: Path) -> list[str]:
+    """The command-line overrides of the run (launch.json), secrets already redacted."""
+    try:
+        return json.loads((run_dir / LAUNCH_FILE).read_text()).get("overrides") or []
+    except (OSError, ValueError):
+        return []
+
+
 def _dry_run(run_dir: Path) -> bool:
     launcher = (yaml.safe_load((run_dir / "config.yaml").read_text()) or {}).get("launcher") or {}
     return bool(launcher.get("dry_run")) and not (run_dir / "metrics.jsonl").exists()
@@ -74,6 +83,11 @@ def main(argv: list[str]) -> int:
     if not rows:
         print(f"error: no run dir (with a config.yaml) under {argv[0]}", file=sys.stderr)
         return 2
+    if len(rows) > 1:  # a sweep: which values each point ran with (what all its points share, left out)
+        overrides = {run_dir: _overrides(run_dir) for run_dir in jobs}
+        shared = set.intersection(*(set(o) for o in overrides.values()))
+        for row, run_dir in zip(rows, jobs):
+            row["overrides"] = " ".join(o for o in overrides[run_dir] if o not in shared) or "-"
     columns = list(rows[0])
     widths = {c: max(len(c), *(len(str(r[c])) for r in rows)) for c in columns}
     for row in [dict(zip(columns, columns)), *rows]:

@@ -132,7 +132,8 @@ def start_trackers(run_dir: Path, config: dict[str, Any], point: Point, dry_run:
         print(f"wandb: run {record['wandb']['id']}, {where}", flush=True)
     if store:
         uri = loggers["mlflow"]["tracking_uri"]
-        ui = f" (UI: mlflow ui --backend-store-uri {uri})" if uri.startswith("sqlite:") else ""
+        # .[dev] installs mlflow-skinny, the client: its `mlflow ui` fails for want of the server (flask)
+        ui = f" (UI: pip install mlflow, then mlflow ui --backend-store-uri {uri})" if uri.startswith("sqlite:") else ""
         print(f"mlflow: run {record['mlflow']['run_id']} in {uri}{ui}", flush=True)
     return record
 
