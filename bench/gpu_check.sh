@@ -11,6 +11,7 @@
 #   bash bench/gpu_check.sh bench [ARG...]          # there: python bench/compare.py ARG... --out $OUT/...
 #   bash bench/gpu_check.sh defaults [ARG...]       # there: python bench/defaults.py (no speed flags vs the loop)
 #   bash bench/gpu_check.sh memory [ARG...]         # there: python bench/activation_memory.py ARG... --out $OUT/...
+#   bash bench/gpu_check.sh host                    # there: python bench/host_path.py --gpu (data wait, checkpoint wait)
 #   bash bench/gpu_check.sh profile [PRECISION [VARIANT,...]]  # there: raw loop and launcher, eager/compiled, profiled
 # The machine (torch, transformers, tensorboard, rich, safetensors, pytest preinstalled; ../shared/GPU.md)
 # lacks hydra-core, omegaconf, antlr4, submitit and datasets; the 83 MB model package is over what a call carries,
@@ -26,11 +27,11 @@
 # Only 8 files come back from $OUT (16 MiB each): a part writes at most 5 there, so two parts fit one call.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-parts="prepare|setup|gpu|suite|bert|bench|defaults|memory|profile"
+parts="prepare|setup|gpu|suite|bert|bench|defaults|memory|host|profile"
 part=${1:?usage: bash bench/gpu_check.sh $parts [...]}
 shift
 case "$part" in  # a misspelt part stops here, before the installs spend a minute of the lease
-    prepare|setup|gpu|suite|bert|bench|defaults|memory|profile) ;;
+    prepare|setup|gpu|suite|bert|bench|defaults|memory|host|profile) ;;
     *) echo "unknown part $part: one of $parts" >&2; exit 2 ;;
 esac
 out=${OUT:-gpu-out}
@@ -96,6 +97,8 @@ case "$part" in
           python -m launcher +exp=bert hydra.run.dir="$run_dir" 2>&1 | tee "$out/bert.log"
           cp "$run_dir/metrics.jsonl" "$out/bert-metrics.jsonl"; cp "$run_dir/summary.json" "$out/bert-summary.json" ;;
     bench) python bench/compare.py "$@" --out "$out/RESULTS-GPU.md" 2>&1 | tee "$out/bench.log" ;;
+    host) # issue 38: data_wait_frac and ckpt_wait_s of +exp=bench as BERT-base with the defaults
+        python bench/host_path.py --gpu --out "$out/RESULTS-HOST-PATH-GPU.md" 2>&1 | tee "$out/host.log" ;;
     defaults) # issue 37: the launcher with no speed flags, its compiled restart, and eager per precision, beside the loop
         python bench/defaults.py "$@" --out "$out/RESULTS-DEFAULTS.md" 2>&1 | tee "$out/defaults.log" ;;
     memory) # model.activation_checkpointing on BERT-base: peak memory, step time, and what auto's micro-batch becomes

@@ -93,13 +93,15 @@ def assert_same_float64_weights(a: Path, b: Path, step: int) -> None:
         torch.testing.assert_close(wa[key], wb[key], rtol=1e-10, atol=0)
 
 
-# The files that take longest run first, longest first (120-400 s each with both of CI's 2 cores busy):
+# The files that take longest run first, longest first (100-700 s each with both of CI's 2 cores busy, 2026-11-27):
 # README's test command hands whole files to 2 workers (-n 2; --dist loadfile in pyproject.toml, so a
 # module's fixtures, the Slurm cluster and the reference runs, are made once), and a long file taken last
 # would leave the other worker idle at the end.
-SLOWEST_FILES_FIRST = ("test_bert.py", "test_slurm.py", "test_compile.py", "test_resume.py", "test_tracking.py",
-                       "test_micro_batch.py", "test_many_nodes.py", "test_knobs.py", "test_distributed_math.py",
-                       "test_hang.py", "test_pretrained_runs.py")
+SLOWEST_FILES_FIRST = ("test_slurm.py", "test_bert.py", "test_resume.py", "test_bad_input.py", "test_micro_batch.py",
+                       "test_compile.py", "test_tracking.py", "test_distributed_math.py", "test_many_nodes.py",
+                       "test_hang.py", "test_readme.py", "test_fast_defaults.py", "test_cli.py", "test_run_ends.py",
+                       "test_background_save.py", "test_knobs.py", "test_stop_signals.py", "test_pretrained_runs.py",
+                       "test_checkpoint_damage.py", "test_sync_check.py")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -129,7 +129,11 @@ def test_worker_environment_per_plan_and_put_back(monkeypatch: pytest.MonkeyPatc
     # torch 2.6 and 2.7 read only the TORCH_NCCL_ names (their libtorch has no other), 2.8 on the TORCH_FR_ ones
     prefix = "TORCH_NCCL_" if torch.__version__.split("+")[0] in ("2.6.0", "2.7.0", "2.7.1") else "TORCH_FR_"
     names = ("BUFFER_SIZE", "DUMP_TEMP_FILE") if prefix == "TORCH_FR_" else ("TRACE_BUFFER_SIZE", "DEBUG_INFO_TEMP_FILE")
-    agent = {"LAUNCHER_AGENT_PID": str(os.getpid())}  # the workers end with this process
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setenv("LAUNCHER_LAUNCH_TIME", "1234.5")  # (python -m launcher sets it when it starts)
+    # the workers end with this process, count their start-up from the launch and share the cores
+    agent = {"LAUNCHER_AGENT_PID": str(os.getpid()), "LAUNCHER_LAUNCH_TIME": "1234.5",
+             "OMP_NUM_THREADS": str(max(1, len(os.sched_getaffinity(0)) // 2))}
     assert worker_env(cpu, tmp_path) == {**agent, "CUDA_VISIBLE_DEVICES": ""}
     assert worker_env(cuda, tmp_path) == {**agent, "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True",
                                           "TORCH_NCCL_DUMP_ON_TIMEOUT": "1", prefix + names[0]: "2000",
@@ -137,7 +141,9 @@ def test_worker_environment_per_plan_and_put_back(monkeypatch: pytest.MonkeyPatc
     monkeypatch.setenv("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", "/scratch/fr_")  # the user's, in the older spelling
     monkeypatch.setenv(prefix + names[0], "0")  # the user's: no recording
     monkeypatch.setenv("PYTORCH_ALLOC_CONF", "garbage_collection_threshold:0.8")  # the user's, newer spelling
-    assert worker_env(cuda, tmp_path) == {**agent, "TORCH_NCCL_DUMP_ON_TIMEOUT": "1"}
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")  # the user's own threads per worker
+    assert worker_env(cuda, tmp_path) == {**{k: v for k, v in agent.items() if k != "OMP_NUM_THREADS"},
+                                          "TORCH_NCCL_DUMP_ON_TIMEOUT": "1"}
     for before in (None, "0,1"):
         if before is None:
             monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)

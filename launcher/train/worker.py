@@ -238,7 +238,7 @@ def build_and_train(cfg: DictConfig, path: Path, env: launcher_dist.DistEnv, sto
             run.watchdog.at("micro-batch probe", progress.step)
             phase(path.parent, env.is_main, "train.micro_batch_size=auto: finding the largest that fits")
             micro_batch.choose(run, cfg.train.max_micro_batch_size, state and state.get("micro_batch_size"))
-        run.log.info(f"run dir {path.parent} | world size {env.world_size} | grad accum "
+        run.log.info(f"world size {env.world_size} | grad accum "  # (the launcher's first line names the run dir)
                      f"{run.grad_accum_steps} | precision {run.precision.name} | "
                      f"{'compiled' if run.compile_watch.enabled else 'eager'} | config {hashes[0]}")
         phase(path.parent, env.is_main, "first step, compiling the model (minutes for a large one)"
