@@ -135,7 +135,7 @@ def test_sweep_is_one_job_array_and_a_raising_point_fails(cluster, tmp_path: Pat
     assert len(rows) == 4 and all(" COMPLETED " in row and " 40 " in row for row in rows), status.stdout
     # and which values each point ran with: the overrides the points do not share
     assert {" ".join(row.split()[-2:]) for row in rows} == {
-        f"optimizer.lr={lr} train.seed={seed}" for lr in ("1e-3", "2e-3") for seed in (0, 1)}, status.stdout
+        f"optimizer.lr={lr} train.seed={seed}" for lr in ("0.001", "0.002") for seed in (0, 1)}, status.stdout
     # The sweep's command again: every point finished, so nothing is submitted
     again = run_cli("-m", *TOY, "launcher=slurm", "launcher.array_parallelism=2", f"hydra.sweep.dir={sweep}",
                     "optimizer.lr=1e-3,2e-3", "train.seed=0,1", cwd=tmp_path)

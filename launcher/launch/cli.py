@@ -87,8 +87,6 @@ def main(cfg: DictConfig) -> None:
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     continued = continued_run_dir(cfg, run_dir)
     if continued:  # the same command again after a crash or Ctrl-C: its run goes on, not a new one from step 0
-        print(f"continuing run dir {continued}: the last run of this same command is unfinished (resume=never or "
-              f"hydra.run.dir=<a new dir> starts a new run)", flush=True)
         discard_if_fresh(run_dir)
         run_dir = continued
     # The nodes of a multi-node local run each run this command in one run dir, by design
@@ -102,6 +100,9 @@ def main(cfg: DictConfig) -> None:
                   f"stop it first to start this command instead)", file=sys.stderr, flush=True)
             sys.exit(1)  # a script that launched it sees the refusal
         with kept_in(run_dir):  # launcher.log: what this launch prints, in the run dir
+            if continued:
+                print(f"continuing run dir {run_dir}: the last run of this same command is unfinished (resume=never "
+                      f"or hydra.run.dir=<a new dir> starts a new run)", flush=True)
             launch(cfg, run_dir)
 
 

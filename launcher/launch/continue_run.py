@@ -16,7 +16,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from launcher.derived import ConfigError, differing_keys, trajectory_config
+from launcher.derived import differing_keys, trajectory_config
 from launcher.launch.plan import make_plan, resolve
 from launcher.launch.run_lock import lock_holder
 from launcher.redact import redact_override
@@ -33,10 +33,10 @@ def continued_run_dir(cfg: DictConfig, fresh: Path) -> Path | None:
     last = _last_run_of(fresh, overrides)
     if last is None or (last / SUMMARY_FILE).is_file() or lock_holder(last):
         return None
-    try:  # (a config error is the launch's to report, in its own words)
+    try:
         config = resolve(cfg, make_plan(cfg))
         previous = OmegaConf.to_container(OmegaConf.load(last / "config.yaml"))
-    except (ConfigError, OSError, ValueError):
+    except Exception:  # noqa: BLE001 - any error of the config is the launch's to report, in its own words
         return None
     return None if differing_keys(trajectory_config(previous), trajectory_config(config)) else last
 
