@@ -264,3 +264,30 @@ def test_status_tells_a_run_that_slurm_here_cannot_by_its_run_dir_and_keeps_each
     assert describe(done, "5", {"5": "UNKNOWN"})["state"] == "DONE"
     assert describe(gone, "6", {"6": "UNKNOWN"})["state"] == "UNKNOWN"
     assert describe(done, "5", {"5": "COMPLETED"})["state"] == "COMPLETED"
+
+
+def test_a_sweep_point_s_hints_name_the_sweep_dir(tmp_path: Path) -> None:
+    """A finished sweep said "use a new hydra.run.dir", which a sweep does not read: its points' dirs come from
+    hydra.sweep.dir."""
+    import copy
+    from hydra import compose, initialize_config_dir
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    from conftest import CONF
+    from launcher.launch.resume import finished
+
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        cfg = compose(config_name="config", overrides=["+exp=toy"], return_hydra_config=True)
+    (tmp_path / "summary.json").write_text(json.dumps({"steps": 5, "final_loss": 0.25, "eval": {"loss": 0.5}}))
+    config = {"resume": {"mode": "auto"}, "train": {"max_steps": 5}}
+    try:
+        for mode, key in ((RunMode.RUN, "hydra.run.dir"), (RunMode.MULTIRUN, "hydra.sweep.dir")):
+            point = copy.deepcopy(cfg)  # (set_config makes what it is given read-only)
+            point.hydra.mode = mode
+            HydraConfig.instance().set_config(point)
+            said = finished(tmp_path, config, 5)
+            assert said.startswith(f"run dir {tmp_path} already finished: 5 steps") and said.endswith(
+                f"to train again, use a new {key})"), said
+    finally:
+        HydraConfig.instance().cfg = None
