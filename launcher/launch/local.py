@@ -35,6 +35,7 @@ from launcher.preempt import (PREEMPTED_FILE, REQUEUE_EXIT_CODE, early_signal, p
 from launcher.rundir import HANG_DIR, SUMMARY_FILE, complete_steps, hang_summary
 from launcher.train.orphan import AGENT_PID
 from launcher.train.phases import LAUNCH_TIME
+from launcher.train.prefetch import usable_cores
 
 COMM_TRACES_DIR = "comm_traces"  # NCCL flight recorder dumps, one file per rank, when a collective times out
 
@@ -98,8 +99,7 @@ def threads_per_worker(plan: Plan) -> int | None:
     OMP_NUM_THREADS stands)."""
     if "OMP_NUM_THREADS" in os.environ:
         return None
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return max(1, cores // plan.nproc_per_node)
+    return max(1, usable_cores() // plan.nproc_per_node)
 
 
 def worker_env(plan: Plan, run_dir: Path) -> dict[str, str]:

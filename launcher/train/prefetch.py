@@ -22,11 +22,15 @@ from launcher.train.data import StepWindows, Window, window_loader
 MAX_PROCESSES = 4  # more only help a collate slower than 4 steps; each holds a copy of what it touches
 
 
+def usable_cores() -> int:
+    """The cores this process may run on (a Slurm allocation or taskset narrows them)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 def spare_cores(device: torch.device) -> int:
     """Cores of this rank's share of the node that its training does not use: on a GPU the training thread
     holds one; on the CPU its intra-op threads compute (torchrun sets 1 per rank when a node runs several)."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    per_rank = cores // max(int(os.environ.get("LOCAL_WORLD_SIZE", 1)), 1)
+    per_rank = usable_cores() // max(int(os.environ.get("LOCAL_WORLD_SIZE", 1)), 1)
     return per_rank - (1 if device.type == "cuda" else torch.get_num_threads())
 
 
