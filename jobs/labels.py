@@ -40,6 +40,7 @@ class Labels:
     def __init__(self, pretrained: str, train_rows: list[dict[str, Any]], label_field: str, num_labels: int,
                  train_where: str):
         self.num_labels, self.label_field = num_labels, label_field
+        self.first_of: dict[str, tuple[int, Any]] = {}  # each file's first label (row, value), by where
         self.names = checkpoint_label_names(pretrained)
         if self.names is not None:
             self.origin = f"id2label in the config.json of data.tokenizer={pretrained}"
@@ -66,6 +67,11 @@ class Labels:
         if is_missing(value):
             raise DataError(f"{at}no label in column {self.label_field!r} (data.label_field); fill it in or drop "
                              f"the row")
+        first = self.first_of.setdefault(where, (row, value))  # names and ids do not mix in one file (JSONL can)
+        if isinstance(first[1], str) != isinstance(value, str):
+            raise DataError(f"{at}label {value!r} is {'a name' if isinstance(value, str) else 'a class id'}, but row "
+                             f"{first[0]}'s label {first[1]!r} is not (data.label_field); give every row an integer "
+                             f"id, or every row a name")
         if isinstance(value, str):
             if self.names is None:
                 raise DataError(f"{at}label {value!r} is a name, but the labels of {self.train_where} are class ids "

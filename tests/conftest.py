@@ -1,6 +1,7 @@
 """Helpers shared by the tests: compose configs like the parent does, run the CLI and torchrun for real."""
 from __future__ import annotations
 
+import fcntl
 import getpass
 import json
 import os
@@ -8,7 +9,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Iterator
 
 import pytest
 import torch
@@ -96,12 +97,13 @@ def assert_same_float64_weights(a: Path, b: Path, step: int) -> None:
 # The files that take longest run first, longest first (100-700 s each with both of CI's 2 cores busy, 2026-11-27):
 # README's test command hands whole files to 2 workers (-n 2; --dist loadfile in pyproject.toml, so a
 # module's fixtures, the Slurm cluster and the reference runs, are made once), and a long file taken last
-# would leave the other worker idle at the end.
+# would leave the other worker idle at the end. test_slurm_hints.py (about 100 s) goes last of them, far from
+# test_slurm.py: a file that wants the cluster while the other has it waits for it (the cluster fixture).
 SLOWEST_FILES_FIRST = ("test_slurm.py", "test_bert.py", "test_resume.py", "test_bad_input.py", "test_micro_batch.py",
                        "test_compile.py", "test_tracking.py", "test_distributed_math.py", "test_many_nodes.py",
                        "test_hang.py", "test_readme.py", "test_fast_defaults.py", "test_cli.py", "test_run_ends.py",
                        "test_background_save.py", "test_knobs.py", "test_stop_signals.py", "test_pretrained_runs.py",
-                       "test_checkpoint_damage.py", "test_sync_check.py")
+                       "test_checkpoint_damage.py", "test_sync_check.py", "test_slurm_hints.py")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -137,6 +139,23 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> References:
     from helpers import References
 
     return References(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[None]:
+    """The real Slurm cluster of slurm/cluster.sh, started for a module and stopped after it. Skipped, with the
+    reason, only where it cannot start (not root, no apt); CI sets LAUNCHER_REQUIRE_SLURM=1 so that it never skips.
+    Its daemons are this host's: modules on two xdist workers take turns, by a lock held while it is theirs
+    (`start` first stops a cluster left running, `stop` would end it under the other's jobs)."""
+    script = REPO / "slurm" / "cluster.sh"
+    with open(Path(tempfile.gettempdir()) / "launcher-slurm.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released with the file: also when this worker dies
+        out = subprocess.run(["bash", str(script), "start"], capture_output=True, text=True, timeout=900)
+        if out.returncode == 3 and os.environ.get("LAUNCHER_REQUIRE_SLURM") != "1":
+            pytest.skip(f"no Slurm cluster on this machine: {out.stderr.strip()}")
+        assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
+        yield
+        subprocess.run(["bash", str(script), "stop"], capture_output=True, timeout=300)
 
 
 @pytest.fixture(scope="module")

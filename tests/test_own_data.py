@@ -1,5 +1,6 @@
 """A user's own data files for the BERT jobs: label ids that stay those the model learned, empty cells, float
-labels, empty files, text field lists, and model configs the parent checks; in process, with files in tmp_path."""
+labels, empty files, text field lists, and model configs the parent checks; in process (but for one real launch),
+with files in tmp_path."""
 from __future__ import annotations
 
 import json
@@ -9,6 +10,7 @@ import pytest
 import torch
 import transformers as hf
 
+from conftest import run_cli
 from jobs.bert import MaskedLM, TextClassification, classification_model, masked_lm_model
 from launcher.derived import ConfigError
 from launcher.launch.checks import check_job_inputs
@@ -110,6 +112,47 @@ def test_an_empty_text_cell_is_found_by_the_parent_before_any_worker_starts(tmp_
         check_job_inputs({"model": {}, "data": {**config["data"], "path": str(lines)}}, {})
     check_job_inputs({"model": {}, "data": {**config["data"], "path": str(write(tmp_path / "ok.csv", "text,label\n"
                                                                               "good,pos\nbad,neg\n"))}}, {})
+
+
+LABELS = {  # case: (train file, eval file or None) in tmp_path, for labels the job refuses
+    **{case: lambda tmp, case=case: (write(tmp / "train.csv", CELLS[case][0]), None) for case in CELLS
+       if "text" not in case},
+    "ids and names in one file": lambda tmp: (jsonl(tmp, "train.jsonl", [{"text": "good", "label": 1},
+                                                                          {"text": "bad", "label": "neg"}]), None),
+    "names where the train labels are ids": lambda tmp: (write(tmp / "ids.csv", "text,label\ngood,1\nbad,0\n"),
+                                                         jsonl(tmp, "dev.jsonl", [{"text": "ok", "label": "pos"}])),
+    "a name the train file lacks": lambda tmp: (reviews_csv(tmp), jsonl(tmp, "dev.jsonl", [
+        {"text": "ok", "label": "pos"}, {"text": "meh", "label": "so-so"}])),
+    "more names than num_labels": lambda tmp: (write(tmp / "three.csv", "text,label\na,x\nb,y\nc,z\n"), None)}
+
+
+@pytest.mark.parametrize("case", list(LABELS))
+def test_labels_the_job_refuses_are_found_by_the_parent_in_the_jobs_words(
+        tmp_path: Path, tiny_bert: Path, case: str) -> None:
+    """The workers said it only after their start-up, each of them. The parent reads the label column as the job's
+    reader types it (pandas for a CSV: 1 an id, 0.4 a float, an empty cell missing) and stops with the job's own
+    line. A JSON Lines file of ids and names (1 and 'neg') was trained on: 1 as id 1, 'neg' as id 0."""
+    path, eval_path = LABELS[case](tmp_path)
+    with pytest.raises(ValueError) as job:
+        files(tiny_bert, path, eval_path=eval_path)
+    data = {"tokenizer": str(tiny_bert), "path": path, "eval_path": eval_path, "text_fields": ["text"],
+            "label_field": "label", "num_labels": 2}
+    with pytest.raises(ConfigError) as parent:
+        check_job_inputs({"model": {}, "data": data}, {})
+    assert str(parent.value) == str(job.value)
+    if case == "ids and names in one file":
+        assert str(job.value) == (f"data.path={path} row 2: label 'neg' is a name, but row 1's label 1 is not (data."
+                                  f"label_field); give every row an integer id, or every row a name")
+    check_job_inputs({"model": {}, "data": {**data, "path": reviews_csv(tmp_path), "eval_path": None}}, {})
+
+
+def test_a_label_cell_the_job_refuses_stops_the_launch_before_any_worker(tmp_path: Path) -> None:
+    """One line and exit 2, as every check of the parent; no run dir is left behind."""
+    path = write(tmp_path / "train.csv", CELLS["missing id"][0])
+    out = run_cli("+exp=bert", "data=files", f"data.path={path}", f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)
+    assert out.returncode == 2 and out.stderr.strip().splitlines() == [
+        f"error: data.path={path} row 2: no label in column 'label' (data.label_field); fill it in or drop the row"]
+    assert not (tmp_path / "run").exists()
 
 
 def test_integer_labels_are_ids(tmp_path: Path, tiny_bert: Path) -> None:

@@ -16,7 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import REPO, assert_same_float64_weights, read_metrics, run_cli, subprocess_env
+from conftest import assert_same_float64_weights, read_metrics, run_cli, subprocess_env
 from helpers import store
 from launcher.launch.run_lock import launch_lock, lock_holder
 from launcher.launch.slurm import ACTIVE, slurm_state
@@ -25,17 +25,6 @@ pytestmark = pytest.mark.slow
 TOY = ("+exp=toy", "train.max_steps=40", "train.log_every=1", "train.eval_every=0", "train.global_batch_size=16",
        "train.micro_batch_size=4")
 SUBMITTED = re.compile(r"submitted job (\S+): run dir (\S+)")
-
-
-@pytest.fixture(scope="module")
-def cluster() -> None:
-    script = REPO / "slurm" / "cluster.sh"
-    out = subprocess.run(["bash", str(script), "start"], capture_output=True, text=True, timeout=900)
-    if out.returncode == 3 and os.environ.get("LAUNCHER_REQUIRE_SLURM") != "1":
-        pytest.skip(f"no Slurm cluster on this machine: {out.stderr.strip()}")
-    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
-    yield
-    subprocess.run(["bash", str(script), "stop"], capture_output=True, timeout=300)
 
 
 def submitted(stdout: str) -> dict[str, Path]:

@@ -1,7 +1,7 @@
 """Checks of common job conventions, in the parent before any worker starts: local files that exist, hold rows
-and the named columns (one text or a pair), lengths within the model's positions, model ids that can load offline,
-run dirs named as a pretrained model that have a checkpoint to start from. By key name only: launcher/ never
-imports jobs/.
+and the named columns (one text or a pair), a classifier's labels (label_checks.py), lengths within the model's
+positions, model ids that can load offline, run dirs named as a pretrained model that have a checkpoint to start
+from. By key name only: launcher/ never imports jobs/.
 
 Exercised by: `python -m launcher +exp=bert data=files data.path=missing.csv` (one-line error, exit 2).
 """
@@ -16,10 +16,11 @@ from typing import Any
 from omegaconf import OmegaConf
 
 from launcher.derived import CHECKPOINTING_KEY, ConfigError
+from launcher.launch.label_checks import check_labels
 from launcher.rundir import PRETRAINED_KEYS, is_run_dir, newest_checkpoint, pinned_checkpoint
 
 PATH_KEYS = ("path", "eval_path")  # data files a job reads
-MAX_SCANNED_BYTES = 256 << 20  # data files the parent reads whole for empty text cells (larger: the job finds them)
+MAX_SCANNED_BYTES = 256 << 20  # data files the parent reads whole for empty cells, labels (larger: the job finds them)
 COLUMN_KEYS = ("text_fields", "label_field", "text_field")  # columns a tabular file must hold
 TEXT_FIELDS_KEY = "text_fields"  # columns tokenized together: a text, or a pair (a tokenizer takes no third)
 LENGTH_KEY = "max_length"  # tokens per sample a text job keeps (data.max_length)
@@ -142,6 +143,7 @@ def check_job_inputs(config: dict[str, Any], pinned: dict[str, dict[str, str]]) 
         if empty:  # the workers would find it too, after seconds of start-up, on every rank
             raise ConfigError(f"data.{key}={path} row {empty[0]}: no text in column {empty[1]!r}; fill it in or drop "
                               f"the row")
+    check_labels(data, _model_source(data.get("tokenizer"), pinned, "data.tokenizer"), MAX_SCANNED_BYTES)
 
 
 def _check_pretrained_run(key: str, run_dir: str, after: str | None) -> None:
@@ -173,13 +175,13 @@ def _run_config(run_dir: Path) -> dict[str, Any]:
         return {}
 
 
-def _model_source(pretrained: Any, pinned: dict[str, dict[str, str]]) -> Any:
-    """What model.pretrained loads from, as far as the parent can tell: for a run dir the checkpoint it stands
-    for (the pinned one, else its newest, a checkpoint of the same model as its best; None while it has none),
-    else the value itself."""
+def _model_source(pretrained: Any, pinned: dict[str, dict[str, str]], key: str = "model.pretrained") -> Any:
+    """What model.pretrained (or `key`) loads from, as far as the parent can tell: for a run dir the checkpoint it
+    stands for (the pinned one, else its newest, a checkpoint of the same model as its best; None while it has
+    none), else the value itself."""
     if not is_run_dir(pretrained):
         return pretrained
-    checkpoint = pinned_checkpoint(pinned, "model.pretrained", pretrained) or newest_checkpoint(Path(pretrained))
+    checkpoint = pinned_checkpoint(pinned, key, pretrained) or newest_checkpoint(Path(pretrained))
     return str(checkpoint) if checkpoint else None
 
 

@@ -1,0 +1,53 @@
+"""What launcher=slurm says beside a job's own result, against the real cluster of slurm/cluster.sh (the cluster
+fixture, tests/conftest.py): a controller that does not answer is named as such, and `python -m
+launcher.launch.status <sweep dir>` shows the values each point ran with."""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import on_the_cpu_plan, run_cli, subprocess_env
+
+pytestmark = pytest.mark.slow
+TOY = ("+exp=toy", "train.max_steps=4", "train.log_every=1", "train.eval_every=0", "train.global_batch_size=16",
+       "train.micro_batch_size=4")
+
+
+def test_a_controller_that_does_not_answer_is_named_as_such(cluster, tmp_path: Path) -> None:
+    """sbatch's "Unable to contact slurm controller" (slurmctld down: here, a slurm.conf whose controller port nothing
+    serves) was reported as a refusal of launcher.nodes and launcher.timeout_min, keys that were fine."""
+    conf = tmp_path / "slurm.conf"
+    conf.write_text("".join(line for line in Path("/etc/slurm/slurm.conf").read_text().splitlines(keepends=True)
+                            if not line.startswith("SlurmctldPort")) + "SlurmctldPort=1\n")
+    out = subprocess.run([sys.executable, "-m", "launcher", *on_the_cpu_plan([*TOY, "launcher=slurm",
+                                                                              f"hydra.run.dir={tmp_path / 'run'}"])],
+                         cwd=tmp_path, env=subprocess_env(SLURM_CONF=str(conf)), capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 1 and out.stderr.strip().splitlines() == [
+        "error: sbatch could not reach the Slurm controller (Batch job submission failed: Unable to contact slurm "
+        "controller (connect failure)); nothing was submitted: check that slurmctld runs and answers (scontrol ping), "
+        "then launch again"], out.stderr
+    assert not (tmp_path / "run").exists()
+
+
+def test_status_of_a_sweep_shows_the_overrides_its_points_do_not_share(cluster, tmp_path: Path) -> None:
+    """Four rows that differ only in their run dir's number said nothing of which point ran which values. Hydra
+    spells a point's values its own way (optimizer.lr=1e-3 is optimizer.lr=0.001); what all points share (+exp=toy,
+    launcher=slurm) is left out."""
+    sweep = tmp_path / "sweep"
+    out = run_cli("-m", *TOY, "launcher=slurm", "launcher.wait=true", "launcher.array_parallelism=2",
+                  f"hydra.sweep.dir={sweep}", "optimizer.lr=1e-3,2e-3", "train.seed=0,1", cwd=tmp_path)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    status = subprocess.run([sys.executable, "-m", "launcher.launch.status", str(sweep)], capture_output=True,
+                            text=True, env=subprocess_env(), timeout=120)
+    assert status.returncode == 0, status.stderr
+    header, *rows = status.stdout.strip().splitlines()
+    column = header.index("overrides")  # the last column: the table pads every column before it to one width
+    shown = {(row.split()[0], row[column:]) for row in rows}
+    assert {overrides for _, overrides in shown} == {
+        f"optimizer.lr={lr} train.seed={seed}" for lr in ("0.001", "0.002") for seed in (0, 1)}, status.stdout
+    assert {run for run, _ in shown} == {str(sweep / str(point)) for point in range(4)}, status.stdout
+    assert all(" COMPLETED " in row for row in rows), status.stdout
