@@ -62,6 +62,10 @@ FLIGHT_RECORDER_BUFFER_SIZE, FLIGHT_RECORDER_DUMP_FILE = (
 # dist.startup_timeout_s, training dist.timeout_s. Without it, dist.timeout_s holds from the start.
 SET_PG_TIMEOUT = getattr(torch.distributed.distributed_c10d, "_set_pg_timeout", None)
 
+# FSDP2 on CPU ranks (strategy=fsdp with launcher.device=cpu): fully_shard records events on the CPU's stream, which
+# has record_event/wait_event from torch 2.7 on (pytorch#145935); 2.6 fails in the first forward. GPU ranks have it.
+FSDP2_ON_CPU = hasattr(torch.cpu.Stream, "record_event")
+
 
 def torchrun_signal_args(signals: list[signal.Signals]) -> list[str]:
     """`--signals-to-handle=...` where torchrun has it: the agent then relays `signals` to the workers."""

@@ -51,7 +51,7 @@ COMPILE_MODES = ("default", "max-autotune-no-cudagraphs", *CUDA_GRAPH_MODES)
 
 # Keys that do not change the trajectory: where it runs, how often and where it logs, and the batch's split
 # (micro_batch_size only changes accumulation at a fixed global batch).
-NOT_TRAJECTORY = {"plan", "launcher", "dist", "resume", "name", "logger"}
+NOT_TRAJECTORY = {"plan", "launcher", "dist", "strategy", "resume", "name", "logger"}
 NOT_TRAJECTORY_TRAIN = {"log_every", "eval_every", "ckpt_every", "ckpt_async", "keep_checkpoints", "num_workers",
                         "persistent_workers", "prefetch_factor", "compile", "compile_mode",
                         "compile_dynamic", "compile_fullgraph", "compile_ddp_split", "max_bad_steps",

@@ -35,6 +35,11 @@ class DeviceName(str, Enum):
     cuda = "cuda"  # one GPU per worker, NCCL
 
 
+class StrategyName(str, Enum):
+    ddp = "ddp"  # DistributedDataParallel: every rank keeps all weights, gradients and optimizer state
+    fsdp = "fsdp"  # FSDP2 (fully_shard): every rank keeps 1/world of them, gathering a block's weights to use it
+
+
 class ScheduleName(str, Enum):
     constant = "constant"
     linear = "linear"
@@ -162,6 +167,17 @@ class DistConfig:
 
 
 @dataclass
+class StrategyConfig:
+    name: StrategyName = StrategyName.ddp
+    # fsdp only (conf/strategy/fsdp.yaml sets them): free a block's gathered weights after its forward and gather
+    # them again for its backward (less memory, one more all-gather per block); false keeps them until the backward
+    reshard_after_forward: Optional[bool] = None
+    # the class name of the modules sharded one by one (then the root); null: the model's own (transformers'
+    # _no_split_modules, e.g. BertLayer), else each Linear
+    block: Optional[str] = None
+
+
+@dataclass
 class ResumeConfig:
     mode: ResumeMode = ResumeMode.auto
     allow_config_change: bool = False  # resume checkpoints trained with a different config
@@ -213,6 +229,7 @@ class Config:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     launcher: LauncherConfig = field(default_factory=LauncherConfig)
     dist: DistConfig = field(default_factory=DistConfig)
+    strategy: StrategyConfig = field(default_factory=StrategyConfig)
     resume: ResumeConfig = field(default_factory=ResumeConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
 

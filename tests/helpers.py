@@ -100,7 +100,7 @@ def worker_pid(parent: int, rank: int) -> int:
 
 
 class References(dict):
-    """Uninterrupted runs (fp32, fp16, with dropout), each trained when a test first asks for it: a
+    """Uninterrupted runs (fp32, fp16, with dropout, fsdp with dropout), each trained when a test first asks for it: a
     selection of the tests (CI's torch-floor run, tests/test_torch_floor.py) trains only what it compares.
     The `reference` fixture of tests/conftest.py hands out one per test module."""
 
@@ -110,7 +110,8 @@ class References(dict):
 
     def __missing__(self, name: str) -> Path:
         run_dir = self.tmp_path_factory.mktemp("reference") / name
-        finish(start(run_dir, *{"fp32": (), "fp16": FP16, "dropout": DROPOUT}[name]), 0)
+        finish(start(run_dir, *{"fp32": (), "fp16": FP16, "dropout": DROPOUT,
+                                      "fsdp": ("strategy=fsdp", *DROPOUT)}[name]), 0)
         self[name] = run_dir
         return run_dir
 

@@ -19,7 +19,8 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_
 from launcher.train import dist as launcher_dist
 from launcher.train.data import StepWindows, window_loader
 from launcher.train.ledger import Progress
-from launcher.train.loop import evaluate, step_ledger
+from launcher.train.evaluation import evaluate
+from launcher.train.loop import step_ledger
 from launcher.train.meter import Meter
 from launcher.train.step import train_step
 from launcher.train.straggler import ComputeTimer

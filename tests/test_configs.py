@@ -14,7 +14,7 @@ from launcher.launch.gpus import Gpu
 from launcher.launch.known_keys import check_known_keys
 from launcher.launch.plan import make_plan, resolve
 
-GROUPS = ["model", "optimizer", "scheduler", "precision", "data", "launcher", "logger"]
+GROUPS = ["model", "optimizer", "scheduler", "precision", "data", "launcher", "strategy", "logger"]
 OPTIONS = [(group, path.stem) for group in GROUPS for path in sorted((CONF / group).glob("*.yaml"))]
 EXPS = sorted(path.stem for path in (CONF / "exp").glob("*.yaml"))
 

@@ -20,7 +20,7 @@ NOTHING_READS = "is a key nothing reads (a typo, or one added with + that no sch
     ("+optimizer.lrr=0.1", "did you mean optimizer.lr?"),  # torch.optim.AdamW's
     ("+logger.tensorboard.dir=tb", "logger.tensorboard takes no keys"),
     ("+seeds=1", "the config has data, dist, launcher, logger, model, name, optimizer, precision, resume, scheduler, "
-                 "train"),
+                 "strategy, train"),
 ])
 def test_a_key_nothing_reads_is_refused_in_one_line(tmp_path: Path, override: str, fix: str) -> None:
     run_dir = tmp_path / "run"

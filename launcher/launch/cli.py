@@ -38,6 +38,7 @@ from launcher.redact import redact_override
 from launcher.rundir import LAUNCH_FILE, pinned_pretrained
 from launcher.schema import register
 from launcher.tracker import write_record
+from launcher.train.sharding import RULE as SHARDING_RULE
 
 register()
 CONF_DIR = Path(__file__).resolve().parents[2] / "conf"  # the repo's conf/, as a file-system path
@@ -63,7 +64,8 @@ def speed_line(config: dict, plan: Plan) -> str:
     mode = "compiled" if train["compile"] is True else "eager"
     split = {True: ", cut at DDP's buckets", False: ", one graph"}.get(train["compile_ddp_split"], "") \
         if train["compile"] is True else ""
-    return f"{precision} | {mode}{' (auto)' if 'compile' in auto else ''}{split}"
+    sharded = f" | strategy fsdp: {SHARDING_RULE}" if config["strategy"]["name"] == "fsdp" else ""
+    return f"{precision} | {mode}{' (auto)' if 'compile' in auto else ''}{split}{sharded}"
 
 
 def discard_if_fresh(run_dir: Path) -> None:

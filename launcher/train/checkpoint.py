@@ -19,10 +19,11 @@ from typing import Any, Callable
 
 import numpy as np
 import torch
-from safetensors.torch import load_model, save_model
+from safetensors.torch import load_file, load_model, save_model
 
 from launcher.rundir import (MARKER, PRETRAINED_FILE, PRETRAINED_KEYS, best_record, complete_steps, is_run_dir,
                              pinned_checkpoint, pinned_pretrained, write_atomically)
+from launcher.train import sharding
 from launcher.train.background_save import BackgroundSave, HostWeights
 from launcher.train.dist import all_gather_objects, on_rank_0
 
@@ -169,7 +170,10 @@ def load_latest(run_dir: Path, model: torch.nn.Module, warn: Callable[[str], Non
     if step is None:
         return None
     step_dir = run_dir / "checkpoints" / str(step)  # under this node's own path to the run dir
-    load_model(model, str(step_dir / "model.safetensors"))
+    if sharding.is_sharded(model):  # strategy=fsdp: each rank keeps its rows of the full tensors
+        sharding.load_full_weights(model, load_file(step_dir / "model.safetensors"))
+    else:
+        load_model(model, str(step_dir / "model.safetensors"))
     return torch.load(step_dir / "train_state.pt", weights_only=True, map_location="cpu")
 
 

@@ -65,6 +65,7 @@ class Window:
     n_tokens: int | None = None  # non-pad tokens of this rank's window (text jobs), for tokens/s
     sample_ids: list[int] = field(default_factory=list)
     padding: bool = False  # this rank got no sample of a short window: one sample counted with weight 0
+    repeats: int = 0  # the last micro-batches repeat one, counted with weight 0 (strategy=fsdp: see StepWindows)
 
     def pin_memory(self) -> "Window":  # called by DataLoader(pin_memory=True) on CUDA
         self.micro_batches = [pinned(b) for b in self.micro_batches]
@@ -77,11 +78,17 @@ def pinned(batch: dict[str, Any]) -> dict[str, Any]:
 
 
 class StepWindows(Dataset):
-    """Item s = this rank's window of optimizer step s."""
+    """Item s = this rank's window of optimizer step s.
 
-    def __init__(self, task: Task, plan: DataPlan, rank: int, world_size: int, grad_accum_steps: int):
+    `same_count` (strategy=fsdp): every rank runs as many micro-batches as rank 0, whose share is the largest, as
+    each forward and backward enters FSDP's all-gathers and reduce-scatters: a rank whose short window splits into
+    fewer repeats its last micro-batch with weight 0. (DDP needs no such thing: only its last backward syncs.)"""
+
+    def __init__(self, task: Task, plan: DataPlan, rank: int, world_size: int, grad_accum_steps: int,
+                 same_count: bool = False):
         self.task, self.plan = task, plan
         self.rank, self.world_size, self.grad_accum_steps = rank, world_size, grad_accum_steps
+        self.same_count = same_count
 
     def __getitem__(self, step: int) -> Window:
         indices = self.plan.step_indices(step)
@@ -90,15 +97,21 @@ class StepWindows(Dataset):
         if padding:  # every rank must run a backward to join the one gradient all-reduce of the step
             mine = indices[:1]
         chunks = [c for c in torch.tensor_split(mine, self.grad_accum_steps) if len(c)]
+        repeats = 0
+        if self.same_count:  # rank 0's share: the first of tensor_split's pieces, never smaller than another's
+            most = min(self.grad_accum_steps, len(rank_share(indices, 0, self.world_size)))
+            repeats = most - len(chunks)
+            chunks += chunks[-1:] * repeats
         if get_worker_info() is not None:  # in a loader process: what collate draws is a function of the step
             seed_worker_for(collate_seed(self.plan.seed, self.rank, step))
         batches = [self.task.collate([self.task.train_set[i] for i in c.tolist()]) for c in chunks]
         # Counted here, on the CPU batches (in a loader process when there are some): the step then needs
         # no read-back from, and no pageable copy to, the GPU to normalise its loss.
-        n_items = 0 if padding else sum(int(self.task.count_items(b)) for b in batches)
-        tokens = [count_tokens(b) for b in batches]
+        counted = batches[:len(batches) - repeats]
+        n_items = 0 if padding else sum(int(self.task.count_items(b)) for b in counted)
+        tokens = [count_tokens(b) for b in counted]
         n_tokens = None if tokens[0] is None else 0 if padding else sum(tokens)
-        return Window(batches, len(indices), n_items, n_tokens, [] if padding else mine.tolist(), padding)
+        return Window(batches, len(indices), n_items, n_tokens, [] if padding else mine.tolist(), padding, repeats)
 
     def __len__(self) -> int:
         raise TypeError("StepWindows is indexed by step; iterate it through window_loader")
@@ -185,10 +198,16 @@ class WindowStream:
                 self.windows.grad_accum_steps, self._again = self._again, None
 
 
-def eval_batches(task: Task, rank: int, world_size: int, batch_size: int, pin: bool) -> Iterable[dict[str, Any]]:
-    """This rank's disjoint share of the eval set: no padding duplicates, so sums are exact (pinned on CUDA)."""
+def eval_batches(task: Task, rank: int, world_size: int, batch_size: int, pin: bool,
+                 same_count: bool = False) -> Iterable[tuple[dict[str, Any], bool]]:
+    """This rank's disjoint share of the eval set, each batch with whether it counts: no padding duplicates, so
+    sums are exact (pinned on CUDA). `same_count` (strategy=fsdp, whose forwards enter collectives): as many
+    batches as rank 0 has, the extra ones (its first sample's batch again) not counted."""
     assert task.eval_set is not None
-    mine = rank_share(torch.arange(len(task.eval_set)), rank, world_size)
-    for chunk in torch.split(mine, batch_size):
-        batch = task.collate([task.eval_set[i] for i in chunk.tolist()])
-        yield pinned(batch) if pin else batch
+    everything = torch.arange(len(task.eval_set))
+    chunks = list(torch.split(rank_share(everything, rank, world_size), batch_size))
+    most = len(torch.split(rank_share(everything, 0, world_size), batch_size)) if same_count else len(chunks)
+    for i in range(most):
+        chunk = chunks[i] if i < len(chunks) else everything[:1]
+        batch = task.collate([task.eval_set[j] for j in chunk.tolist()])
+        yield (pinned(batch) if pin else batch), i < len(chunks)

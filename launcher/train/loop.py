@@ -16,13 +16,14 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from launcher.preempt import StopFlag, ignore_in_data_workers
-from launcher.task import Task, to_device
-from launcher.train import checkpoint, compiled, micro_batch
-from launcher.train.background_save import BackgroundSave
+from launcher.task import Task
+from launcher.train import checkpoint, compiled, micro_batch, sharding
+from launcher.train.background_save import BackgroundSave, HostWeights
 from launcher.train.best import Best, write_best
 from launcher.train.compile_cache import CompileCache
-from launcher.train.data import DataPlan, StepWindows, Window, WindowStream, eval_batches, window_loader
-from launcher.train.dist import DistEnv, all_gather_objects, all_reduce_sum, training_timeout
+from launcher.train.data import DataPlan, StepWindows, Window, WindowStream, window_loader
+from launcher.train.evaluation import evaluate
+from launcher.train.dist import DistEnv, all_gather_objects, training_timeout
 from launcher.train.ledger import Progress, StepLedger
 from launcher.train.meter import Meter, peak_flops, peak_memory_mb, training_flops_per_item
 from launcher.train.metrics import RunLog
@@ -41,8 +42,8 @@ class Run:
     run_dir: Path
     env: DistEnv
     task: Task
-    model: DDP  # what trains: DDP around the (compiled, with train.compile) module
-    module: torch.nn.Module  # the plain module: its weights are what checkpoints and eval use
+    model: DDP | torch.nn.Module  # what trains: DDP around the (compiled) module, or (strategy=fsdp) the sharded module
+    module: torch.nn.Module  # the module without DDP: what checkpoints and eval use (with fsdp: `model` itself)
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
     scaler: torch.amp.GradScaler
@@ -75,33 +76,6 @@ class Run:
     background_save: BackgroundSave | None  # train.ckpt_async: rank 0 writes in a thread (launcher/train/background_save.py)
 
 
-@torch.no_grad()
-def evaluate(run: Run) -> dict[str, float]:
-    """Exact metrics: each rank sums over its disjoint share, one all-reduce adds the sums."""
-    if run.task.eval_set is None:
-        return {}
-    module = run.module  # the bare module: DDP's forward could enter collectives unevenly here
-    module.eval()
-    keys, device = run.task.eval_sum_keys, run.env.device
-    sums = torch.zeros(len(keys), dtype=torch.float64, device=device)
-    host_sums = [0.0] * len(keys)  # float64 too
-    for batch in eval_batches(run.task, run.env.rank, run.env.world_size, run.micro_batch_size,
-                              pin=device.type == "cuda"):
-        with run.precision.autocast():
-            batch_sums = run.task.eval_sums(module, to_device(batch, device))
-        # A job may count on the CPU (len() -> torch.tensor) and sum on the GPU: each adds up where it is, as
-        # a copy of a host value to the GPU per batch would make the host wait for the GPU each time.
-        for i, value in enumerate(batch_sums[k] for k in keys):
-            if isinstance(value, torch.Tensor) and value.device.type != "cpu":  # a copy between GPUs: no wait
-                sums[i] += value.to(device, non_blocking=True).reshape(())
-            else:
-                host_sums[i] += float(value)
-    sums += torch.tensor(host_sums, dtype=torch.float64).to(device)
-    all_reduce_sum(sums)
-    module.train()
-    return run.task.eval_metrics(dict(zip(keys, sums.tolist())))
-
-
 def timed(loader: Iterable[Window]) -> Iterator[tuple[Window, float]]:
     """Each window with the seconds spent waiting for it (the data loader's share of step time)."""
     it = iter(loader)
@@ -126,7 +100,8 @@ def train(run: Run, progress: Progress, stop: StopFlag, final_eval: dict[str, fl
         if record_eval(run, progress.step) and run.env.is_main:  # its checkpoint (the resumed one) is the best
             run.best.write(run.run_dir)
         progress.eval_due = False
-    windows = StepWindows(run.task, run.data_plan, run.env.rank, run.env.world_size, run.grad_accum_steps)
+    windows = StepWindows(run.task, run.data_plan, run.env.rank, run.env.world_size, run.grad_accum_steps,
+                          same_count=sharding.is_sharded(run.model))
     in_data_workers = partial(ignore_in_data_workers, signals=stop.signals)
     loader = (AutoPrefetch(run.env.device, run.prefetch_factor, in_data_workers, run.log.info)
               if run.num_workers == "auto" else
@@ -218,6 +193,8 @@ def train(run: Run, progress: Progress, stop: StopFlag, final_eval: dict[str, fl
                "peak_mem_mb": peak_memory_mb(run.env.device), "started_unix_time": run.log.start,
                "first_step_unix_time": first_step_at, "compiled": run.compile_watch.enabled,
                "compile_cache": run.compile_cache.kind if run.compile_watch.enabled else None, **compile_counts,
+               "strategy": "fsdp" if sharding.is_sharded(run.module) else "ddp",
+               "state_bytes_per_rank": sharding.state_bytes(run.module, run.optimizer),
                **run.sync_check.summary()}
     if preempted:
         return summary
@@ -276,8 +253,11 @@ def save_checkpoint(run: Run, progress: Progress, final_eval: dict[str, float] |
     # The others wait in a collective while rank 0 writes and checksums (or waits for the save before): gigabytes to
     # a shared file system can take longer than dist.timeout_s, and NCCL's watchdog would end the waiting ranks
     training_timeout(max(run.checkpoint_timeout_s, run.timeout_s))
+    # strategy=fsdp: the full tensors, gathered to rank 0's host (checkpoints are DDP's files: launcher/train/sharding.py)
+    weights = (HostWeights(sharding.full_weights(run.module, run.env.is_main))
+               if sharding.is_sharded(run.module) else run.module)
     try:
-        checkpoint.save(run.run_dir, progress.step, run.module, train_state(run, progress, final_eval),
+        checkpoint.save(run.run_dir, progress.step, weights, train_state(run, progress, final_eval),
                         run.keep_checkpoints, run.env.device, also_keep=run.best.step, background=run.background_save,
                         model_files=write_model_files and (lambda directory: write_model_files(run.module, directory)),
                         then=partial(write_best, run.run_dir, best))
@@ -290,7 +270,8 @@ def save_checkpoint(run: Run, progress: Progress, final_eval: dict[str, float] |
 def train_state(run: Run, progress: Progress, final_eval: dict[str, float] | None = None) -> dict[str, Any]:
     """Everything besides the weights that an exact resume needs (RNG states are added by the save)."""
     return {"progress": asdict(progress), "final_eval": final_eval, "best": run.best.state(),
-            "optimizer": run.optimizer.state_dict(),
+            "optimizer": (sharding.full_optimizer_state(run.optimizer, run.env.is_main)  # every rank gathers
+                          if sharding.is_sharded(run.module) else run.optimizer.state_dict()),
             "scheduler": run.scheduler.state_dict(), "scaler": run.scaler.state_dict(),
             "config_hash": run.config_hash, "world_size": run.env.world_size, "sample_order": run.data_plan.order,
             # train.micro_batch_size=auto's size, kept by a resume (a fixed size comes from the config)

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from launcher.train import sharding
 from launcher.task import Task, to_device
 from launcher.train.data import Window
 from launcher.train.dist import all_reduce_sum
@@ -29,13 +30,15 @@ class StepResult:
     grad_norm: torch.Tensor  # norm of the synchronized, unscaled gradients before clipping (on the device)
 
 
-def train_step(model: DDP, task: Task, window: Window, optimizer: torch.optim.Optimizer, ledger: StepLedger,
+def train_step(model: DDP | torch.nn.Module, task: Task, window: Window, optimizer: torch.optim.Optimizer, ledger: StepLedger,
                scaler: torch.amp.GradScaler, precision: Precision, max_grad_norm: float | None,
                device: torch.device, timer: ComputeTimer, out_of_memory: OutOfMemoryAgreement,
                stop_requested: bool = False) -> StepResult | None:
     """One optimizer step; None when a rank ran out of memory before the gradient all-reduce (with
     train.micro_batch_size=auto): then nothing changed, and every rank redoes the step in smaller pieces."""
-    weight = 0.0 if window.padding else 1.0
+    # 0 for a rank without samples in a short window, and for repeated micro-batches (strategy=fsdp)
+    n = len(window.micro_batches)
+    weights = [0.0 if window.padding or i >= n - window.repeats else 1.0 for i in range(n)]
     world_size = torch.distributed.get_world_size()
 
     # Normalise by the items of the whole step on all ranks, not by K: a short last window and uneven
@@ -45,7 +48,7 @@ def train_step(model: DDP, task: Task, window: Window, optimizer: torch.optim.Op
     scale = world_size / n_items
     timer.start()  # this rank's compute before it waits for the others (straggler metric)
     try:
-        last_loss, loss_sum = forward_until_sync(model, task, window.micro_batches, weight, scale, scaler, precision)
+        last_loss, loss_sum = forward_until_sync(model, task, window.micro_batches, weights, scale, scaler, precision)
     except torch.OutOfMemoryError:
         if not out_of_memory.enabled:
             raise
@@ -54,12 +57,12 @@ def train_step(model: DDP, task: Task, window: Window, optimizer: torch.optim.Op
     if out_of_memory.any_rank_ran_out(last_loss is None):  # agreed before the step's one gradient all-reduce
         timer.drop_last()
         return None  # every rank drops the step (micro_batch.shrink) and redoes it in smaller micro-batches
-    scaler.scale(last_loss * scale).backward()  # DDP all-reduces the gradients during this backward
+    scaler.scale(last_loss * scale).backward()  # DDP all-reduces (FSDP reduce-scatters) the gradients in this one
     loss_sum += last_loss.detach().float()
 
     scaler.unscale_(optimizer)  # once per step: clip true gradients, not scaled ones
     grads = [p.grad for p in model.parameters() if p.grad is not None]
-    grad_norm = torch.nn.utils.get_total_norm(grads)
+    grad_norm = sharding.total_norm(grads)  # over every rank's shards with strategy=fsdp
     if max_grad_norm:
         torch.nn.utils.clip_grads_with_norm_(model.parameters(), max_grad_norm, grad_norm)
     # One all-reduce: every rank learns whether any rank saw inf/nan (so all skip together), whether any
@@ -74,23 +77,25 @@ def train_step(model: DDP, task: Task, window: Window, optimizer: torch.optim.Op
     return StepResult(loss=loss_sum / n_items, grad_norm=grad_norm)
 
 
-def forward_until_sync(model: DDP, task: Task, cpu_batches: list[dict], weight: float, scale: torch.Tensor,
+def forward_until_sync(model: DDP | torch.nn.Module, task: Task, cpu_batches: list[dict], weights: list[float],
+                       scale: torch.Tensor,
                        scaler: torch.amp.GradScaler, precision: Precision) -> tuple[torch.Tensor, torch.Tensor]:
     """Everything of the step that enters no collective: forward AND backward of micro-batches 1..K-1
-    inside no_sync (DDP all-reduces only in the last backward), then the last micro-batch's forward.
+    without a gradient sync (DDP all-reduces, FSDP reduce-scatters, only in the last backward), then the last
+    micro-batch's forward.
     Each micro-batch goes to the device here, where running out of memory can still be redone (a nearly full
     GPU may fail the copy as well as the forward). Returns the last micro-batch's loss and the others' summed
     loss."""
     device = scale.device
     loss_sum = torch.zeros((), device=device)
-    for batch in cpu_batches[:-1]:
-        with model.no_sync():
+    for batch, weight in zip(cpu_batches[:-1], weights):
+        with sharding.no_gradient_sync(model):
             with precision.autocast():
                 batch_loss = task.loss_sum(model, to_device(batch, device)) * weight
             scaler.scale(batch_loss * scale).backward()
         loss_sum += batch_loss.detach().float()
     with precision.autocast():
-        return task.loss_sum(model, to_device(cpu_batches[-1], device)) * weight, loss_sum
+        return task.loss_sum(model, to_device(cpu_batches[-1], device)) * weights[-1], loss_sum
 
 
 def step_unless_nonfinite(optimizer: torch.optim.Optimizer, nonfinite: torch.Tensor) -> None:

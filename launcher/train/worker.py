@@ -23,7 +23,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from launcher.compat import DDP_NO_FORWARD_BUFFER_SYNC
 from launcher.derived import NODE_CONFIG, auto_precision, config_hash, differing_keys, grad_accum_steps
 from launcher.preempt import REQUEUE_EXIT_CODE, StopFlag, preemption_signals
-from launcher.train import checkpoint, micro_batch
+from launcher.train import checkpoint, micro_batch, sharding
 from launcher.train import dist as launcher_dist
 from launcher.train.background_save import BackgroundSave
 from launcher.train.best import Best
@@ -70,16 +70,15 @@ def build(cfg: DictConfig, run_dir: Path, env: launcher_dist.DistEnv) -> Run:
     compile_cache = CompileCache(run_dir, env.local_rank, env.device, train_cfg.compile and train_cfg.compile_cache)
     compile_cache.load(lambda message: print(message, file=sys.stderr, flush=True))  # before anything compiles
     compiling = train_cfg.compile and not compile_turned_off(cfg, env)
-    trained = compile_module(model, train_cfg.compile_mode, train_cfg.compile_dynamic, train_cfg.compile_fullgraph,
-                             train_cfg.compile_ddp_split) if compiling else model
-    ddp = DDP(trained, device_ids=[env.local_rank] if env.device.type == "cuda" else None,
-              bucket_cap_mb=cfg.dist.bucket_cap_mb, gradient_as_bucket_view=cfg.dist.gradient_as_bucket_view,
-              static_graph=cfg.dist.static_graph, find_unused_parameters=cfg.dist.find_unused_parameters,
-              # No buffer broadcast per forward: ranks may run different numbers of micro-batches in a
-              # short last window, and a per-forward broadcast would pair up mismatched collectives.
-              **DDP_NO_FORWARD_BUFFER_SYNC)
-    if cfg.dist.comm_hook:  # compress gradients to 16 bits on the wire (and back) before averaging
-        ddp.register_comm_hook(dist.group.WORLD, COMM_HOOKS[cfg.dist.comm_hook])
+    if cfg.strategy.name == "fsdp":  # (the parent lets no compile, DDP key or micro-batch probe through with it)
+        sharded = sharding.shard(model, cfg.strategy.reshard_after_forward, cfg.strategy.block, precision, env.device,
+                                 env.world_size)
+        ddp = model
+    else:
+        sharded = None
+        ddp = wrap_ddp(cfg.dist, env, compile_module(model, train_cfg.compile_mode, train_cfg.compile_dynamic,
+                                                     train_cfg.compile_fullgraph, train_cfg.compile_ddp_split)
+                       if compiling else model)
     seed_all(train_cfg.seed * 1_000_003 + env.rank)  # dropout/augmentation noise differs per rank
     fused = {"fused": True} if _takes_fused(cfg.optimizer) else {}
     # _convert_: plain lists (betas) in the optimizer's state, so checkpoints load with weights_only=True
@@ -117,9 +116,23 @@ def build(cfg: DictConfig, run_dir: Path, env: launcher_dist.DistEnv) -> Run:
               sync_check=SyncCheck(train_cfg.sync_check, env.device), best=best_eval(task, train_cfg),
               background_save=BackgroundSave(env.device) if train_cfg.ckpt_async else None,
               profiler=StepProfiler(run_dir, env.rank, train_cfg.profile, list(train_cfg.profile_ranks), env.device))
+    if sharded:
+        run.log.info(f"strategy=fsdp: sharded {sharded}")
     if "pretrained" in sources["model"]:
         run.log.info(f"model.pretrained={cfg.model.pretrained}: from checkpoint {sources['model']['pretrained']}")
     return run
+
+
+def wrap_ddp(dist_cfg: DictConfig, env: launcher_dist.DistEnv, trained: torch.nn.Module) -> DDP:
+    ddp = DDP(trained, device_ids=[env.local_rank] if env.device.type == "cuda" else None,
+              bucket_cap_mb=dist_cfg.bucket_cap_mb, gradient_as_bucket_view=dist_cfg.gradient_as_bucket_view,
+              static_graph=dist_cfg.static_graph, find_unused_parameters=dist_cfg.find_unused_parameters,
+              # No buffer broadcast per forward: ranks may run different numbers of micro-batches in a
+              # short last window, and a per-forward broadcast would pair up mismatched collectives.
+              **DDP_NO_FORWARD_BUFFER_SYNC)
+    if dist_cfg.comm_hook:  # compress gradients to 16 bits on the wire (and back) before averaging
+        ddp.register_comm_hook(dist.group.WORLD, COMM_HOOKS[dist_cfg.comm_hook])
+    return ddp
 
 
 def node_precision(name: str, env: launcher_dist.DistEnv) -> str:
@@ -169,7 +182,9 @@ def restore(run: Run, state: dict[str, Any] | None, seed: int, allow_config_chan
                            f"{run.config_hash}; set resume.allow_config_change=true to resume anyway")
     # The checkpoint holds the state (moments, step counts, the schedule's position); this run's config holds the
     # settings (lr, betas, weight decay, fused...): a change that resume.allow_config_change let through applies.
-    saved = state["optimizer"]
+    saved = state["optimizer"]  # full tensors: strategy=fsdp keeps its rows of each (launcher/train/sharding.py)
+    if sharding.is_sharded(run.module):
+        saved = sharding.shard_optimizer_state(run.optimizer, saved)
     settings = run.optimizer.state_dict()["param_groups"]
     run.optimizer.load_state_dict({**saved, "param_groups": [{**new, "params": old["params"]} for new, old
                                                               in zip(settings, saved["param_groups"])]})
@@ -240,7 +255,7 @@ def build_and_train(cfg: DictConfig, path: Path, env: launcher_dist.DistEnv, sto
             micro_batch.choose(run, cfg.train.max_micro_batch_size, state and state.get("micro_batch_size"))
         run.log.info(f"world size {env.world_size} | grad accum "  # (the launcher's first line names the run dir)
                      f"{run.grad_accum_steps} | precision {run.precision.name} | "
-                     f"{'compiled' if run.compile_watch.enabled else 'eager'} | config {hashes[0]}")
+                     f"{'compiled' if run.compile_watch.enabled else 'eager'} | {cfg.strategy.name} | config {hashes[0]}")
         phase(path.parent, env.is_main, "first step, compiling the model (minutes for a large one)"
               if run.compile_watch.enabled else "first step")
         try:

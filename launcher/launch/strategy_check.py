@@ -1,0 +1,42 @@
+"""strategy=ddp / strategy=fsdp checked in the parent: the keys of the other strategy, and what fsdp cannot do.
+
+Exercised by: tests/test_fsdp.py (`python -m launcher +exp=toy strategy=fsdp train.micro_batch_size=auto`: refused).
+"""
+from __future__ import annotations
+
+import torch
+from omegaconf import DictConfig
+
+from launcher.compat import FSDP2_ON_CPU
+from launcher.derived import ConfigError
+
+# DDP's own keys (conf: dist.*) with their defaults: under strategy=fsdp a changed one would do nothing
+DDP_KEYS = {"bucket_cap_mb": None, "gradient_as_bucket_view": True, "static_graph": False,
+            "find_unused_parameters": False, "comm_hook": None}
+
+
+def check_strategy(cfg: DictConfig, device_type: str, compiles: bool) -> None:
+    """Raise ConfigError for a strategy key that would do nothing, or an fsdp run this launcher cannot train
+    (`compiles`: what train.compile, after auto, says)."""
+    strategy = cfg.strategy
+    name = getattr(strategy.name, "value", strategy.name)  # Enum when typed
+    if name == "ddp":
+        for key in ("reshard_after_forward", "block"):
+            if strategy[key] is not None:
+                raise ConfigError(f"strategy.{key}={strategy[key]} has no effect with strategy=ddp; add "
+                                  f"strategy=fsdp, or drop strategy.{key}")
+        return
+    if device_type == "cpu" and not FSDP2_ON_CPU:
+        raise ConfigError(f"strategy=fsdp on CPU workers needs torch 2.7 or newer (FSDP2 records events on the CPU's "
+                          f"stream, pytorch#145935), and this is torch {torch.__version__}: upgrade torch, or use "
+                          f"strategy=ddp")
+    if cfg.train.micro_batch_size == "auto":  # a rank that runs out mid-forward would leave the others in a gather
+        raise ConfigError("train.micro_batch_size=auto redoes a step after running out of memory, which strategy=fsdp "
+                          "cannot (its forwards enter collectives); set a fixed train.micro_batch_size")
+    if compiles:
+        raise ConfigError("train.compile=true is not supported with strategy=fsdp yet (each block would compile on its "
+                          "own); use train.compile=false (or auto: eager under fsdp), or strategy=ddp")
+    for key, default in DDP_KEYS.items():
+        if cfg.dist[key] != default:
+            raise ConfigError(f"dist.{key}={cfg.dist[key]} is DDP's and has no effect with strategy=fsdp; drop it, "
+                              f"or use strategy=ddp")

@@ -1,0 +1,193 @@
+"""strategy=fsdp: FSDP2's fully_shard on each block of the model, then the root, and the full tensors its
+checkpoints hold.
+
+Every rank keeps 1/world of each weight, gradient and optimizer moment (Shard(0) DTensors) and all-gathers a
+block's weights while the block runs. A checkpoint holds the full tensors, in DDP's files and layout: rank 0
+gathers them (one all-gather per tensor, to host memory), and a start reads the full tensors and keeps its own
+rows. So a checkpoint resumes on any world size and on either strategy, and a transformers job's checkpoint
+stays a save_pretrained dir. Exercised by: tests/test_fsdp.py (`python -m launcher +exp=toy strategy=fsdp`).
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Any, Iterator
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor, Shard
+
+from launcher.train.precision import Precision
+
+# what the dry run and the launcher's first line say: the workers find the blocks (the parent builds no model)
+RULE = ("each block: transformers' _no_split_modules, else the layers of the model's stack (its ModuleList, "
+        "e.g. BertLayer), else each Linear; then the root")
+
+
+def blocks(model: nn.Module, block: str | None) -> tuple[list[nn.Module], str]:
+    """The modules sharded one by one (outermost first: none inside another), and what found them (RULE)."""
+    named = next((m._no_split_modules for m in model.modules() if getattr(m, "_no_split_modules", None)), None)
+    stack = next((m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m)
+                  and len({type(layer) for layer in m}) == 1), None)  # a transformer's layers: all one class
+    if block:
+        names, why = {block}, f"strategy.block={block}"
+    elif named:
+        names, why = set(named), "the model's _no_split_modules"
+    elif stack is not None:
+        names, why = {type(stack[0]).__name__}, "the layers of the model's stack"
+    else:
+        names, why = {"Linear"}, "each Linear"
+    # a weight tied to one outside the block (BERT's word embeddings and its MLM decoder) stays with the root:
+    # FSDP2 shards each parameter in one group only
+    uses: dict[int, int] = {}
+    for _, param in model.named_parameters(remove_duplicate=False):
+        uses[id(param)] = uses.get(id(param), 0) + 1
+    found: list[nn.Module] = []
+    inside: set[int] = set()
+    for module in model.modules():
+        if id(module) in inside or module is model or type(module).__name__ not in names:
+            continue
+        own: dict[int, int] = {}
+        for _, param in module.named_parameters(remove_duplicate=False):
+            own[id(param)] = own.get(id(param), 0) + 1
+        if all(uses[key] == count for key, count in own.items()):
+            found.append(module)
+            inside.update(id(m) for m in module.modules())
+    if not found:
+        raise ValueError(f"strategy=fsdp: the model has no module of class {' or '.join(sorted(names))} ({why}); "
+                         f"name its block class with strategy.block=<class name>")
+    kinds = sorted({type(m).__name__ for m in found})
+    return found, f"{len(found)} x {'/'.join(kinds)} ({why}), then the root"
+
+
+def shard(model: nn.Module, reshard_after_forward: bool, block: str | None, precision: Precision,
+          device: torch.device, world_size: int) -> str:
+    """fully_shard the model in place (each block, then the root); what was sharded, in words.
+
+    Under bf16/fp16 the gathered weights are cast to that dtype once per gather (FSDP2's mixed precision: half
+    the all-gather's bytes) and gradients are reduced in float32; the shards, and so the optimizer, stay in the
+    weights' own dtype. The forward still runs under autocast, as with DDP: ops that need float32 (softmax,
+    layer norm, the loss) get it."""
+    dtype = precision.autocast_dtype
+    policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32 if dtype else None)
+    mesh = init_device_mesh(device.type, (world_size,))
+    found, said = blocks(model, block)
+    for module in found:
+        fully_shard(module, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy)
+    fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy)
+    return said
+
+
+def is_sharded(model: nn.Module) -> bool:
+    return isinstance(model, FSDPModule)
+
+
+@contextmanager
+def no_gradient_sync(model: nn.Module) -> Iterator[None]:
+    """The backwards inside accumulate this rank's gradients only: DDP's no_sync, or FSDP2's reduce-scatter off
+    (the gradients stay unsharded until the last micro-batch's backward reduces them)."""
+    if not is_sharded(model):
+        with model.no_sync():
+            yield
+        return
+    model.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)
+
+
+def total_norm(grads: list[torch.Tensor]) -> torch.Tensor:
+    """The global 2-norm of the gradients: sharded ones' norm is all-reduced over the shards (DTensor), the
+    same on every rank; a plain tensor either way."""
+    norm = torch.nn.utils.get_total_norm(grads)
+    return norm.full_tensor() if isinstance(norm, DTensor) else norm
+
+
+def _full(value: Any, on_rank_0: bool) -> Any:
+    """A tensor's full value on rank 0's host (every rank enters the all-gather of a DTensor); None elsewhere."""
+    if not isinstance(value, torch.Tensor):
+        return value
+    full = value.full_tensor() if isinstance(value, DTensor) else value.detach()
+    return full.to("cpu") if on_rank_0 else None  # (.to: the GPU's copy; a CPU tensor stays where it is)
+
+
+def full_weights(model: nn.Module, on_rank_0: bool) -> dict[str, torch.Tensor]:
+    """The model's state_dict with full tensors, tied weights one tensor as in the module (rank 0; {} elsewhere).
+    One all-gather per tensor: no rank ever holds more than one full tensor at a time on its device."""
+    gathered: dict[int, Any] = {}
+    full = {}
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        if id(tensor) not in gathered:
+            gathered[id(tensor)] = _full(tensor, on_rank_0)
+        full[name] = gathered[id(tensor)]
+    return full if on_rank_0 else {}
+
+
+def full_optimizer_state(optimizer: torch.optim.Optimizer, on_rank_0: bool) -> dict[str, Any]:
+    """optimizer.state_dict() with full tensors, as DDP's optimizer would hold them (rank 0; the same keys)."""
+    saved = optimizer.state_dict()
+    state = {index: {key: _full(value, on_rank_0) for key, value in moments.items()}
+             for index, moments in saved["state"].items()}
+    return {**saved, "state": state}
+
+
+def _my_rows(full: torch.Tensor, like: DTensor) -> torch.Tensor:
+    """This rank's part of `full` as fully_shard keeps it: torch.chunk's piece along the sharded dim (Shard(0) on
+    a 1-D mesh), on the shard's device, in its dtype."""
+    (placement,) = like.placements
+    assert isinstance(placement, Shard), placement
+    pieces = torch.chunk(full, like.device_mesh.size(), dim=placement.dim)
+    rank = like.device_mesh.get_local_rank()
+    local = like.to_local()
+    piece = pieces[rank] if rank < len(pieces) else full.new_empty(local.shape)
+    if piece.shape != local.shape:
+        raise ValueError(f"a checkpoint tensor of shape {tuple(full.shape)} does not fit a parameter of shape "
+                         f"{tuple(like.shape)}")
+    return piece.to(device=local.device, dtype=local.dtype)
+
+
+@torch.no_grad()
+def load_full_weights(model: nn.Module, tensors: dict[str, torch.Tensor]) -> None:
+    """Copy full tensors (a checkpoint's model.safetensors) into the shards; a name the file leaves out must be
+    tied to one it holds (safetensors saves tied weights once), as load_model allows for DDP."""
+    targets = model.state_dict(keep_vars=True)
+    unexpected = sorted(set(tensors) - set(targets))
+    loaded = {id(targets[name]) for name in tensors if name in targets}
+    missing = sorted(name for name, target in targets.items() if name not in tensors and id(target) not in loaded)
+    if unexpected or missing:
+        raise ValueError(f"the checkpoint does not fit the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
+    for name, full in tensors.items():
+        target = targets[name]
+        if isinstance(target, DTensor):
+            target.to_local().copy_(_my_rows(full, target))
+        else:
+            target.copy_(full)
+
+
+def shard_optimizer_state(optimizer: torch.optim.Optimizer, saved: dict[str, Any]) -> dict[str, Any]:
+    """A checkpoint's full optimizer state (DDP's layout) as this rank's shards, for optimizer.load_state_dict:
+    each moment the shape of its parameter becomes a DTensor like the parameter; step counts stay."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    state = {}
+    for index, moments in saved["state"].items():
+        param = params[int(index)]
+        state[index] = {key: DTensor.from_local(_my_rows(value, param), param.device_mesh, param.placements,
+                                                shape=param.shape, stride=param.stride())
+                        if isinstance(param, DTensor) and isinstance(value, torch.Tensor)
+                        and value.shape == param.shape else value
+                        for key, value in moments.items()}
+    return {**saved, "state": state}
+
+
+def state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
+    """What this rank keeps: its weights, the gradients the optimizer steps with (one per trainable weight, its
+    size) and the optimizer's state, in bytes (a DTensor counts its local shard)."""
+    def size(tensor: torch.Tensor) -> int:
+        local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+        return local.numel() * local.element_size()
+    params = list(model.parameters())
+    return {"params": sum(size(p) for p in params), "grads": sum(size(p) for p in params if p.requires_grad),
+            "optimizer": sum(size(v) for moments in optimizer.state.values() for v in moments.values()
+                             if isinstance(v, torch.Tensor))}

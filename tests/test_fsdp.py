@@ -1,0 +1,153 @@
+"""strategy=fsdp (FSDP2) against strategy=ddp, with real processes: torchrun + gloo on CPU (issue 40).
+
+The same math (AdamW, clipping, accumulation, a short last window whose micro-batches differ in number between
+the ranks, an uneven eval), half the state per rank, checkpoints in DDP's files that resume across strategies
+and world sizes, preemption and kill -9 resumed bitwise, and a BERT checkpoint plain transformers loads.
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import signal
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import compose_config, run_cli
+from helpers import (DROPOUT, SLOW, assert_params_close, bitwise_equal, finish, preempt, sample_stream, start, wait_until,
+                     weights, worker_pid)
+from launcher.compat import FSDP2_ON_CPU
+from launcher.derived import ConfigError
+from launcher.launch.plan import make_plan
+
+pytestmark = pytest.mark.slow
+
+# float64, AdamW, clipping that clips, 6 micro-batches of 2: 51 samples make every 3rd step a window of 3, which
+# rank 0 splits into 2 micro-batches and rank 1 into 1; 25 eval samples make 7 eval batches on rank 0, 6 on rank 1
+MATH = ("+exp=toy", "model.dtype=float64", "data.dtype=float64", "data.n_samples=51", "data.n_eval=25",
+        "train.global_batch_size=24", "train.micro_batch_size=2", "train.max_grad_norm=0.05", "train.max_steps=20",
+        "train.ckpt_every=10", "train.log_every=1", "train.eval_every=0")
+
+
+def train(run_dir: Path, *overrides: str) -> Path:
+    out = run_cli(*MATH, *overrides, f"hydra.run.dir={run_dir}", cwd=run_dir.parent)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
+    return run_dir
+
+
+def summary(run_dir: Path) -> dict:
+    return json.loads((run_dir / "summary.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """The same run on 2 ranks with either strategy, checkpointed at steps 10 and 20."""
+    root = tmp_path_factory.mktemp("pair")
+    return {name: train(root / name, f"strategy={name}") for name in ("ddp", "fsdp")}
+
+
+def test_fsdp_trains_as_ddp_does_and_keeps_half_the_state(pair: dict[str, Path]) -> None:
+    ddp, fsdp = pair["ddp"], pair["fsdp"]
+    grad_norms = [m["grad_norm"] for m in map(json.loads, (ddp / "metrics.jsonl").read_text().splitlines())
+                  if "grad_norm" in m]
+    assert min(grad_norms) > 0.05  # every step clipped
+    assert_params_close(weights(fsdp, 20), weights(ddp, 20), rtol=1e-9)
+    assert summary(fsdp)["eval"]["loss"] == pytest.approx(summary(ddp)["eval"]["loss"], rel=1e-9)
+    assert summary(fsdp)["strategy"] == "fsdp" and summary(ddp)["strategy"] == "ddp"
+    sharded, whole = summary(fsdp)["state_bytes_per_rank"], summary(ddp)["state_bytes_per_rank"]
+    assert set(sharded) == {"params", "grads", "optimizer"} and whole["optimizer"] > 0
+    assert sum(sharded.values()) <= 0.55 * sum(whole.values()), (sharded, whole)
+    log = (fsdp / "launcher.log").read_text()
+    assert "strategy=fsdp: sharded 2 x Linear (each Linear), then the root" in log
+    assert "strategy fsdp: each block" in log.splitlines()[0]  # the launcher's first line says the rule
+
+
+@pytest.mark.parametrize("origin,target", [("fsdp", ("strategy=ddp", "launcher.nproc_per_node=1")),
+                                           ("ddp", ("strategy=fsdp", "launcher.nproc_per_node=3"))],
+                         ids=["fsdp-on-1-ddp-rank", "ddp-on-3-fsdp-ranks"])
+def test_a_checkpoint_resumes_on_the_other_strategy_and_another_world(tmp_path: Path, pair: dict[str, Path],
+                                                                     origin: str, target: tuple[str, ...]) -> None:
+    """Step 10's checkpoint of one strategy, resumed by the other on another world size (3 ranks: the toy's 2-row
+    output layer leaves rank 2 an empty shard), trains to what the uninterrupted run reached at step 20."""
+    run_dir = tmp_path / "resumed"
+    shutil.copytree(pair[origin], run_dir)
+    shutil.rmtree(run_dir / "checkpoints" / "20")
+    (run_dir / "summary.json").unlink()
+    train(run_dir, *target)
+    assert summary(run_dir)["resumed_from"] == 10
+    assert_params_close(weights(run_dir, 20), weights(pair[origin], 20), rtol=1e-9)
+
+
+def test_preemption_and_kill_9_under_fsdp_resume_bitwise(tmp_path: Path, reference) -> None:
+    """USR2 to the launcher, then the same command; SIGKILL of rank 1, then torchrun's restart: each ends bitwise
+    equal to an uninterrupted fsdp run, dropout's random streams and the samples included."""
+    fsdp = ("strategy=fsdp", *DROPOUT)
+    step = preempt(tmp_path / "preempted", signal.SIGUSR2, *fsdp)
+    out = finish(start(tmp_path / "preempted", *SLOW, *fsdp), 0)
+    assert f"resumed from step {step}" in out
+    killed = tmp_path / "killed"
+    proc = start(killed, *SLOW, *fsdp, "launcher.max_restarts=1")
+    wait_until(lambda: (killed / "checkpoints" / "40" / "COMPLETE").exists())
+    time.sleep(random.uniform(0.0, 0.3))
+    os.kill(worker_pid(proc.pid, rank=1), signal.SIGKILL)
+    finish(proc, 0)
+    assert summary(killed)["restarts"] == 1
+    for run_dir in (tmp_path / "preempted", killed):
+        assert bitwise_equal(weights(run_dir), weights(reference["fsdp"]))
+        assert sample_stream(run_dir) == sample_stream(reference["fsdp"])
+
+
+def test_bert_under_fsdp_learns_as_under_ddp_and_its_checkpoints_load_in_transformers(tmp_path: Path,
+                                                                                       tiny_bert: Path) -> None:
+    """The classifier's eval matches DDP's; each checkpoint is a save_pretrained dir whose weights are the full
+    ones; the MLM's decoder stays tied to the word embeddings (a tied weight stays with the root's shards)."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForMaskedLM, AutoModelForSequenceClassification
+
+    common = (f"model.pretrained={tiny_bert}", "model.dtype=float64", "model.dropout=0", "data.n_train=48",
+              "data.n_eval=23", "train.global_batch_size=8", "train.micro_batch_size=2", "train.max_steps=6")
+    runs = {}
+    for name in ("ddp", "fsdp"):
+        out = run_cli("+exp=bert", *common, f"strategy={name}", f"hydra.run.dir={tmp_path / name}", cwd=tmp_path)
+        assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
+        runs[name] = summary(tmp_path / name)
+    assert runs["fsdp"]["eval"]["accuracy"] == runs["ddp"]["eval"]["accuracy"]
+    assert runs["fsdp"]["eval"]["loss"] == pytest.approx(runs["ddp"]["eval"]["loss"], rel=1e-9)
+    assert_params_close(weights(tmp_path / "fsdp", 6), weights(tmp_path / "ddp", 6), rtol=1e-9)
+    loaded = AutoModelForSequenceClassification.from_pretrained(tmp_path / "fsdp" / "checkpoints" / "6")
+    assert bitwise_equal({k: v for k, v in loaded.state_dict().items() if k in weights(tmp_path / "fsdp", 6)},
+                         weights(tmp_path / "fsdp", 6))
+    out = run_cli("+exp=bert_mlm", *common, "strategy=fsdp", f"hydra.run.dir={tmp_path / 'mlm'}", cwd=tmp_path)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
+    mlm = AutoModelForMaskedLM.from_pretrained(tmp_path / "mlm" / "checkpoints" / "6")
+    assert mlm.cls.predictions.decoder.weight is mlm.bert.embeddings.word_embeddings.weight
+    saved = load_file(tmp_path / "mlm" / "checkpoints" / "6" / "model.safetensors")
+    assert torch.equal(mlm.bert.embeddings.word_embeddings.weight, saved["bert.embeddings.word_embeddings.weight"])
+
+
+def test_fsdp_on_this_torch_trains_or_is_refused_in_one_line(tmp_path: Path) -> None:
+    """torch 2.7+ trains fsdp on CPU ranks; the floor, 2.6 (CI's floor run), is refused before any worker starts."""
+    out = run_cli("+exp=toy", "strategy=fsdp", "train.max_steps=2", f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)
+    if FSDP2_ON_CPU:
+        assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
+        assert summary(tmp_path / "run")["strategy"] == "fsdp"
+    else:
+        assert out.returncode == 2 and out.stderr.strip().splitlines() == [
+            f"error: strategy=fsdp on CPU workers needs torch 2.7 or newer (FSDP2 records events on the CPU's stream, "
+            f"pytorch#145935), and this is torch {torch.__version__}: upgrade torch, or use strategy=ddp"]
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (("strategy=fsdp", "train.micro_batch_size=auto"), "train.micro_batch_size=auto redoes a step"),
+    (("strategy=fsdp", "train.compile=true"), "train.compile=true is not supported with strategy=fsdp"),
+    (("strategy=fsdp", "dist.comm_hook=fp16"), "dist.comm_hook=fp16 is DDP's and has no effect with strategy=fsdp"),
+    (("strategy.block=BertLayer",), "strategy.block=BertLayer has no effect with strategy=ddp"),
+], ids=["auto-micro-batch", "compile", "comm-hook", "ddp-block"])
+def test_what_fsdp_cannot_do_is_refused_in_the_parent(overrides: tuple[str, ...], message: str) -> None:
+    cfg = compose_config("+exp=toy", *overrides)
+    with pytest.raises(ConfigError, match=message):
+        make_plan(cfg)
