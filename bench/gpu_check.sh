@@ -12,6 +12,7 @@
 #   bash bench/gpu_check.sh defaults [ARG...]       # there: python bench/defaults.py (no speed flags vs the loop)
 #   bash bench/gpu_check.sh memory [ARG...]         # there: python bench/activation_memory.py ARG... --out $OUT/...
 #   bash bench/gpu_check.sh host                    # there: python bench/host_path.py --gpu (data wait, checkpoint wait)
+#   bash bench/gpu_check.sh fsdp [ARG...]           # there: python bench/fsdp.py --gpu (fsdp vs ddp, BERT-base, bf16)
 #   bash bench/gpu_check.sh profile [PRECISION [VARIANT,...]]  # there: raw loop and launcher, eager/compiled, profiled
 # The machine (torch, transformers, tensorboard, rich, safetensors, pytest preinstalled; ../shared/GPU.md)
 # lacks hydra-core, omegaconf, antlr4, submitit and datasets; the 83 MB model package is over what a call carries,
@@ -27,11 +28,11 @@
 # Only 8 files come back from $OUT (16 MiB each): a part writes at most 5 there, so two parts fit one call.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-parts="prepare|setup|gpu|suite|bert|bench|defaults|memory|host|profile"
+parts="prepare|setup|gpu|suite|bert|bench|defaults|memory|host|fsdp|profile"
 part=${1:?usage: bash bench/gpu_check.sh $parts [...]}
 shift
 case "$part" in  # a misspelt part stops here, before the installs spend a minute of the lease
-    prepare|setup|gpu|suite|bert|bench|defaults|memory|host|profile) ;;
+    prepare|setup|gpu|suite|bert|bench|defaults|memory|host|fsdp|profile) ;;
     *) echo "unknown part $part: one of $parts" >&2; exit 2 ;;
 esac
 out=${OUT:-gpu-out}
@@ -97,6 +98,8 @@ case "$part" in
           python -m launcher +exp=bert hydra.run.dir="$run_dir" 2>&1 | tee "$out/bert.log"
           cp "$run_dir/metrics.jsonl" "$out/bert-metrics.jsonl"; cp "$run_dir/summary.json" "$out/bert-summary.json" ;;
     bench) python bench/compare.py "$@" --out "$out/RESULTS-GPU.md" 2>&1 | tee "$out/bench.log" ;;
+    fsdp) # issue 40: strategy=fsdp against ddp, step time and memory, BERT-base bf16 on one GPU
+        python bench/fsdp.py --gpu "$@" --out "$out/RESULTS-FSDP-GPU.md" 2>&1 | tee "$out/fsdp.log" ;;
     host) # issue 38: data_wait_frac and ckpt_wait_s of +exp=bench as BERT-base with the defaults
         python bench/host_path.py --gpu --out "$out/RESULTS-HOST-PATH-GPU.md" 2>&1 | tee "$out/host.log" ;;
     defaults) # issue 37: the launcher with no speed flags, its compiled restart, and eager per precision, beside the loop

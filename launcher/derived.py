@@ -96,5 +96,6 @@ NODE_CONFIG = "LAUNCHER_NODE_CONFIG"
 
 
 def node_view(config: dict[str, Any], run_dir: Path) -> dict[str, Any]:
-    """What every node must agree on: the run dir, the plan, and everything that shapes the trajectory."""
-    return {"run_dir": str(run_dir), "plan": config["plan"], **trajectory_config(config)}
+    """What every node must agree on: the run dir, the plan, the strategy, and everything that shapes the trajectory."""
+    return {"run_dir": str(run_dir), "plan": config["plan"], "strategy": config.get("strategy"),
+            **trajectory_config(config)}

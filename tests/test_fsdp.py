@@ -101,6 +101,27 @@ def test_preemption_and_kill_9_under_fsdp_resume_bitwise(tmp_path: Path, referen
         assert sample_stream(run_dir) == sample_stream(reference["fsdp"])
 
 
+def test_fp16_skips_and_rescales_under_fsdp_as_under_ddp_and_bf16_trains(tmp_path: Path) -> None:
+    """A loss scale far too large: the first steps overflow on some shards; every rank skips them together and
+    halves the scale alike, then it grows again every 5 steps, exactly as DDP's does (FSDP2 gathers the weights in
+    fp16 and reduces the gradients in float32). bf16 (FSDP2's bf16 gathers, under autocast) trains too."""
+    common = ("+exp=toy", "precision.init_scale=1e8", "precision.growth_interval=5", "train.max_steps=40",
+              "train.log_every=5", "train.eval_every=0")
+    logs = {}
+    for name, precision in (("ddp", "fp16"), ("fsdp", "fp16"), ("fsdp", "bf16")):
+        run_dir = tmp_path / f"{name}-{precision}"
+        out = run_cli(*common, f"strategy={name}", f"precision={precision}", f"hydra.run.dir={run_dir}", cwd=tmp_path)
+        assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
+        logs[name, precision] = [m for m in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
+                                 if "loss" in m]
+    ddp, fsdp = logs["ddp", "fp16"], logs["fsdp", "fp16"]
+    assert [(m["skipped_steps"], m["loss_scale"]) for m in fsdp] == [(m["skipped_steps"], m["loss_scale"]) for m in ddp]
+    assert 5 <= fsdp[-1]["skipped_steps"] < 40 and fsdp[-1]["loss_scale"] > fsdp[1]["loss_scale"]
+    assert [m["loss"] for m in fsdp] == pytest.approx([m["loss"] for m in ddp], rel=1e-2)
+    bf16 = logs["fsdp", "bf16"]
+    assert bf16[-1]["loss"] < 0.9 * bf16[0]["loss"] and bf16[-1]["skipped_steps"] == 0
+
+
 def test_bert_under_fsdp_learns_as_under_ddp_and_its_checkpoints_load_in_transformers(tmp_path: Path,
                                                                                        tiny_bert: Path) -> None:
     """The classifier's eval matches DDP's; each checkpoint is a save_pretrained dir whose weights are the full

@@ -31,12 +31,15 @@ def errors(text: str) -> list[str]:
     return [line for line in text.splitlines() if line.startswith("error: ")]
 
 
-@pytest.mark.parametrize("rendezvous", ["c10d", "static"])
+@pytest.mark.parametrize("rendezvous", ["c10d", "static", "c10d-fsdp"])
 def test_two_nodes_train_like_one_node_with_two_workers(tmp_path: Path, rendezvous: str) -> None:
     """World size 2 from two launchers of one worker each (c10d: ranks by arrival; static: launcher.node_rank);
-    the float64 weights equal those of one node with two workers at the same global batch."""
+    the float64 weights equal those of one node with two workers (DDP) at the same global batch, also when the
+    nodes shard the model between them (strategy=fsdp)."""
     run_dir, port = tmp_path / "shared", free_port()
     ranks = (["launcher.node_rank=0"], ["launcher.node_rank=1"]) if rendezvous == "static" else ([], [])
+    if rendezvous == "c10d-fsdp":
+        ranks = (["strategy=fsdp"], ["strategy=fsdp"])
     first, second = node(run_dir, port, *ranks[0]), node(run_dir, port, *ranks[1])
     for proc in (first, second):
         code, text = finish(proc)
