@@ -34,12 +34,12 @@ def test_a_controller_that_does_not_answer_is_named_as_such(cluster, tmp_path: P
 
 
 def test_status_of_a_sweep_shows_the_overrides_its_points_do_not_share(cluster, tmp_path: Path) -> None:
-    """Four rows that differ only in their run dir's number said nothing of which point ran which values. Hydra
+    """Rows that differ only in their run dir's number said nothing of which point ran which values. Hydra
     spells a point's values its own way (optimizer.lr=1e-3 is optimizer.lr=0.001); what all points share (+exp=toy,
-    launcher=slurm) is left out."""
+    launcher=slurm, train.seed=1) is left out. Two points: one wave of the array on this host's two nodes."""
     sweep = tmp_path / "sweep"
     out = run_cli("-m", *TOY, "launcher=slurm", "launcher.wait=true", "launcher.array_parallelism=2",
-                  f"hydra.sweep.dir={sweep}", "optimizer.lr=1e-3,2e-3", "train.seed=0,1", cwd=tmp_path)
+                  f"hydra.sweep.dir={sweep}", "optimizer.lr=1e-3,2e-3", "train.seed=1", cwd=tmp_path)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     status = subprocess.run([sys.executable, "-m", "launcher.launch.status", str(sweep)], capture_output=True,
                             text=True, env=subprocess_env(), timeout=120)
@@ -47,7 +47,6 @@ def test_status_of_a_sweep_shows_the_overrides_its_points_do_not_share(cluster, 
     header, *rows = status.stdout.strip().splitlines()
     column = header.index("overrides")  # the last column: the table pads every column before it to one width
     shown = {(row.split()[0], row[column:]) for row in rows}
-    assert {overrides for _, overrides in shown} == {
-        f"optimizer.lr={lr} train.seed={seed}" for lr in ("0.001", "0.002") for seed in (0, 1)}, status.stdout
-    assert {run for run, _ in shown} == {str(sweep / str(point)) for point in range(4)}, status.stdout
+    assert sorted(shown) == [(str(sweep / "0"), "optimizer.lr=0.001"), (str(sweep / "1"), "optimizer.lr=0.002")], \
+        status.stdout
     assert all(" COMPLETED " in row for row in rows), status.stdout
