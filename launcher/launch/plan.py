@@ -117,7 +117,7 @@ def _choose(cfg: DictConfig, device_type: str, capabilities: list[tuple[int, int
     compile_ = cfg.train.compile
     if compile_ not in (True, False, "auto"):
         raise ConfigError(f"train.compile={compile_} is not one of true, false, auto")
-    if compile_ == "auto":  # (FSDP2 with torch.compile per block is not supported yet: launcher/launch/strategy_check.py)
+    if compile_ == "auto":  # (strategy=fsdp does not compile yet: launcher/launch/strategy_check.py)
         chosen["compile"] = device_type == "cuda" and getattr(cfg.strategy.name, "value", cfg.strategy.name) == "ddp"
     if cfg.train.compile_ddp_split is None and chosen.get("compile", compile_) is True:
         chosen["compile_ddp_split"] = auto_ddp_split(nnodes)

@@ -253,7 +253,7 @@ def save_checkpoint(run: Run, progress: Progress, final_eval: dict[str, float] |
     # The others wait in a collective while rank 0 writes and checksums (or waits for the save before): gigabytes to
     # a shared file system can take longer than dist.timeout_s, and NCCL's watchdog would end the waiting ranks
     training_timeout(max(run.checkpoint_timeout_s, run.timeout_s))
-    # strategy=fsdp: the full tensors, gathered to rank 0's host (checkpoints are DDP's files: launcher/train/sharding.py)
+    # strategy=fsdp: the full tensors, gathered to rank 0's host (checkpoints are DDP's files: sharding.py)
     weights = (HostWeights(sharding.full_weights(run.module, run.env.is_main))
                if sharding.is_sharded(run.module) else run.module)
     try:

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from launcher.train import sharding
 from launcher.task import Task, to_device
+from launcher.train import sharding
 from launcher.train.data import Window
 from launcher.train.dist import all_reduce_sum
 from launcher.train.ledger import StepLedger
@@ -30,8 +30,8 @@ class StepResult:
     grad_norm: torch.Tensor  # norm of the synchronized, unscaled gradients before clipping (on the device)
 
 
-def train_step(model: DDP | torch.nn.Module, task: Task, window: Window, optimizer: torch.optim.Optimizer, ledger: StepLedger,
-               scaler: torch.amp.GradScaler, precision: Precision, max_grad_norm: float | None,
+def train_step(model: DDP | torch.nn.Module, task: Task, window: Window, optimizer: torch.optim.Optimizer,
+               ledger: StepLedger, scaler: torch.amp.GradScaler, precision: Precision, max_grad_norm: float | None,
                device: torch.device, timer: ComputeTimer, out_of_memory: OutOfMemoryAgreement,
                stop_requested: bool = False) -> StepResult | None:
     """One optimizer step; None when a rank ran out of memory before the gradient all-reduce (with
@@ -44,7 +44,7 @@ def train_step(model: DDP | torch.nn.Module, task: Task, window: Window, optimiz
     # Normalise by the items of the whole step on all ranks, not by K: a short last window and uneven
     # token counts then give the gradient of one big batch. One small all-reduce per step.
     n_items = all_reduce_sum(torch.full((), float(window.n_items), device=device)).clamp(min=1)
-    # DDP averages over ranks; x world_size / n_items turns that into the mean over all items
+    # DDP (and FSDP) average over ranks; x world_size / n_items turns that into the mean over all items
     scale = world_size / n_items
     timer.start()  # this rank's compute before it waits for the others (straggler metric)
     try:
@@ -78,8 +78,8 @@ def train_step(model: DDP | torch.nn.Module, task: Task, window: Window, optimiz
 
 
 def forward_until_sync(model: DDP | torch.nn.Module, task: Task, cpu_batches: list[dict], weights: list[float],
-                       scale: torch.Tensor,
-                       scaler: torch.amp.GradScaler, precision: Precision) -> tuple[torch.Tensor, torch.Tensor]:
+                       scale: torch.Tensor, scaler: torch.amp.GradScaler,
+                       precision: Precision) -> tuple[torch.Tensor, torch.Tensor]:
     """Everything of the step that enters no collective: forward AND backward of micro-batches 1..K-1
     without a gradient sync (DDP all-reduces, FSDP reduce-scatters, only in the last backward), then the last
     micro-batch's forward.

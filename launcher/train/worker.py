@@ -73,17 +73,17 @@ def build(cfg: DictConfig, run_dir: Path, env: launcher_dist.DistEnv) -> Run:
     if cfg.strategy.name == "fsdp":  # (the parent lets no compile, DDP key or micro-batch probe through with it)
         sharded = sharding.shard(model, cfg.strategy.reshard_after_forward, cfg.strategy.block, precision, env.device,
                                  env.world_size)
-        ddp = model
+        trained = model  # its forward gathers each block's weights
     else:
         sharded = None
-        ddp = wrap_ddp(cfg.dist, env, compile_module(model, train_cfg.compile_mode, train_cfg.compile_dynamic,
+        trained = wrap_ddp(cfg.dist, env, compile_module(model, train_cfg.compile_mode, train_cfg.compile_dynamic,
                                                      train_cfg.compile_fullgraph, train_cfg.compile_ddp_split)
                        if compiling else model)
     seed_all(train_cfg.seed * 1_000_003 + env.rank)  # dropout/augmentation noise differs per rank
     fused = {"fused": True} if _takes_fused(cfg.optimizer) else {}
     # _convert_: plain lists (betas) in the optimizer's state, so checkpoints load with weights_only=True
     # on every torch (2.6's unpickler refuses omegaconf's ListConfig)
-    optimizer = build_part("optimizer", cfg.optimizer, params=ddp.parameters(), _convert_="all", **fused)
+    optimizer = build_part("optimizer", cfg.optimizer, params=trained.parameters(), _convert_="all", **fused)
     scheduler = build_scheduler(optimizer, cfg.scheduler.name, cfg.scheduler.warmup_steps, train_cfg.max_steps,
                                 cfg.scheduler.min_lr_ratio)
     data_plan = DataPlan(n_samples=len(task.train_set), global_batch_size=train_cfg.global_batch_size,
@@ -92,7 +92,7 @@ def build(cfg: DictConfig, run_dir: Path, env: launcher_dist.DistEnv) -> Run:
         raise ValueError(f"the train set has {data_plan.n_samples} samples, fewer than train.global_batch_size="
                          f"{train_cfg.global_batch_size} with train.drop_last=true")
     auto = train_cfg.micro_batch_size == "auto"
-    run = Run(run_dir=run_dir, env=env, task=task, model=ddp, module=model, optimizer=optimizer,
+    run = Run(run_dir=run_dir, env=env, task=task, model=trained, module=model, optimizer=optimizer,
               scheduler=scheduler, scaler=precision.grad_scaler(cfg.precision.init_scale, cfg.precision.growth_interval),
               precision=precision, data_plan=data_plan,
               # auto: 0 until micro_batch.choose, once the model and optimizer hold their memory
@@ -124,6 +124,7 @@ def build(cfg: DictConfig, run_dir: Path, env: launcher_dist.DistEnv) -> Run:
 
 
 def wrap_ddp(dist_cfg: DictConfig, env: launcher_dist.DistEnv, trained: torch.nn.Module) -> DDP:
+    """strategy=ddp: DDP around the (compiled) module, with dist.*'s settings."""
     ddp = DDP(trained, device_ids=[env.local_rank] if env.device.type == "cuda" else None,
               bucket_cap_mb=dist_cfg.bucket_cap_mb, gradient_as_bucket_view=dist_cfg.gradient_as_bucket_view,
               static_graph=dist_cfg.static_graph, find_unused_parameters=dist_cfg.find_unused_parameters,
