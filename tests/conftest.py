@@ -99,11 +99,12 @@ def assert_same_float64_weights(a: Path, b: Path, step: int) -> None:
 # module's fixtures, the Slurm cluster and the reference runs, are made once), and a long file taken last
 # would leave the other worker idle at the end. test_slurm_hints.py (about 100 s) goes last of them, far from
 # test_slurm.py: a file that wants the cluster while the other has it waits for it (the cluster fixture).
-SLOWEST_FILES_FIRST = ("test_slurm.py", "test_bert.py", "test_resume.py", "test_bad_input.py", "test_micro_batch.py",
+SLOWEST_FILES_FIRST = ("test_slurm.py", "test_bert.py", "test_resume.py", "test_fsdp.py", "test_micro_batch.py",
                        "test_compile.py", "test_tracking.py", "test_distributed_math.py", "test_many_nodes.py",
                        "test_hang.py", "test_readme.py", "test_fast_defaults.py", "test_cli.py", "test_run_ends.py",
-                       "test_background_save.py", "test_knobs.py", "test_stop_signals.py", "test_pretrained_runs.py",
-                       "test_checkpoint_damage.py", "test_sync_check.py", "test_slurm_hints.py")
+                       "test_background_save.py", "test_bad_input.py", "test_knobs.py", "test_stop_signals.py",
+                       "test_pretrained_runs.py", "test_checkpoint_damage.py", "test_sync_check.py",
+                       "test_slurm_hints.py")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -9,8 +9,16 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from conftest import run_cli
+from conftest import compose_config, run_cli
 from jobs.toy import ToyRegression
+from launcher.derived import ConfigError
+from launcher.launch.checks import check_job_inputs
+from launcher.launch.known_keys import check_known_keys
+from launcher.launch.plan import make_plan, resolve
+from launcher.launch.resume import check_resume, finished
+from launcher.launch.slurm import active_job
+from launcher.launch.slurm_submit import dependency
+from launcher.rundir import pinned_pretrained
 from launcher.train.job import build_part, check_task
 
 
@@ -141,30 +149,67 @@ CASES = {  # name: (overrides, or a function of tmp_path giving them; what the l
 }
 
 
-@pytest.mark.parametrize("name", list(CASES))
-def test_bad_input_is_one_line_naming_the_key(name: str, tmp_path: Path) -> None:
+# Run as `python -m launcher` (5-9 s each), for what only the CLI does: Hydra's own compose errors, which
+# launcher/launch/errors.py condenses from Hydra's report once Hydra exits (in this process compose_config raises
+# Hydra's exception instead); and a ConfigError's exit 2, `error: ` line and no half-made run dir, once for each
+# kind of stage of cli.launch: the plan, the job's inputs, the Slurm branch, a run dir that already holds a run.
+THROUGH_THE_CLI = {"unknown key", "unknown key of an untyped group", "unknown group option", "unknown exp",
+                   "unknown logger", "wrong type", "unknown device", "run dir cannot be made", "indivisible batch",
+                   "missing data path", "slurm after a run never submitted", "unreadable run dir"}
+assert THROUGH_THE_CLI <= CASES.keys()  # a misspelt name would quietly drop its CLI run
+
+
+def case(name: str, tmp_path: Path) -> tuple[list[str], Path, str]:
+    """A case's overrides, with hydra.run.dir=<tmp_path/run> unless it names one; its run dir; its line's text."""
     overrides, expected = CASES[name]
     if callable(overrides):
         overrides = overrides(tmp_path)
-    fresh_run_dir = tmp_path / "run"
-    if not any(o.startswith("hydra.run.dir=") for o in overrides):
-        overrides = [*overrides, f"hydra.run.dir={fresh_run_dir}"]
+    given = [o.split("=", 1)[1] for o in overrides if o.startswith("hydra.run.dir=")]
+    run_dir = Path(given[0]) if given else tmp_path / "run"
+    return [*overrides, *([] if given else [f"hydra.run.dir={run_dir}"])], run_dir, expected
+
+
+def parent_refusal(overrides: list[str], run_dir: Path) -> str:
+    """cli.launch's checks, in its order, in this process: what it would print after `error: `."""
+    cfg = compose_config(*overrides)
+    with pytest.raises(ConfigError) as error:
+        check_known_keys(cfg)
+        plan = make_plan(cfg)
+        # (shared_run_dir, for several local nodes, asks only for a hydra.run.dir, which every case has)
+        config = resolve(cfg, plan)
+        resume_step = check_resume(run_dir, config)
+        assert finished(run_dir, config, resume_step) is None and active_job(run_dir) is None  # (no refusal: exit 0)
+        check_job_inputs(config, pinned_pretrained(run_dir))
+        if cfg.launcher.name == "slurm":
+            dependency(config["launcher"])
+    return str(error.value)
+
+
+@pytest.mark.parametrize("name", [name for name in CASES if name in THROUGH_THE_CLI])
+def test_bad_input_is_one_line_naming_the_key(name: str, tmp_path: Path) -> None:
+    overrides, _, expected = case(name, tmp_path)
     out = run_cli(*overrides, cwd=tmp_path)
     assert out.returncode == 2, out.stdout[-1000:] + out.stderr[-2000:]
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1, out.stderr
     assert lines[0].startswith("error: ") and expected in lines[0], lines[0]
     assert "Traceback" not in out.stdout + out.stderr
-    assert not fresh_run_dir.exists()  # nothing half-made is left behind
+    assert not (tmp_path / "run").exists()  # nothing half-made is left behind
+
+
+@pytest.mark.parametrize("name", [name for name in CASES if name not in THROUGH_THE_CLI])
+def test_the_parents_checks_refuse_in_one_line_naming_the_key(name: str, tmp_path: Path) -> None:
+    overrides, run_dir, expected = case(name, tmp_path)
+    message = parent_refusal(overrides, run_dir)
+    assert "\n" not in message and expected in message, message
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU: launcher.device=cuda is valid here")
 def test_cuda_plan_without_a_gpu_is_one_line(tmp_path: Path) -> None:
-    out = run_cli("+exp=toy", "launcher.device=cuda", f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)
-    assert out.returncode == 2 and out.stderr.strip().splitlines() == [
-        "error: launcher.device=cuda but this node has no visible GPU (NVML, or torch.cuda.device_count(), says 0); "
-        "use launcher.device=auto or launcher.device=cpu"]
-    assert not (tmp_path / "run").exists()
+    overrides = ["+exp=toy", "launcher.device=cuda", f"hydra.run.dir={tmp_path / 'run'}"]
+    assert parent_refusal(overrides, tmp_path / "run") == (
+        "launcher.device=cuda but this node has no visible GPU (NVML, or torch.cuda.device_count(), says 0); "
+        "use launcher.device=auto or launcher.device=cpu")
 
 
 # A key the target does not take (+data.seq_lenn=16) no longer gets this far: the parent refuses it
