@@ -7,7 +7,6 @@ Exercised by: `python -m launcher +exp=toy train.micro_batchsize=4`.
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import io
 import os
 import re
@@ -17,6 +16,7 @@ from pathlib import Path
 from typing import Iterator
 
 from launcher import schema
+from launcher.launch.known_keys import closest
 
 CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
 _held: dict[str, object] = {}  # the real stderr while Hydra's output is held back
@@ -61,9 +61,9 @@ def condense(text: str) -> str:
     unknown = re.search(r"Key '([^']+)' not in '(\w+)'", message)
     if unknown and object_type:
         valid = _schema_fields(object_type)
-        close = difflib.get_close_matches(unknown.group(1), valid, n=1)
+        close = closest(unknown.group(1), set(valid))  # the same guess as for a key added with +
         prefix = full_key.rsplit(".", 1)[0] + "." if full_key and "." in full_key else ""
-        message += f"; did you mean {prefix}{close[0]}?" if close else f"; valid keys: {', '.join(valid)}"
+        message += f"; did you mean {prefix}{close}?" if close else f"; valid keys: {', '.join(valid)}"
     elif re.search(r"Key '[^']+' is not in struct", message) and full_key and "." in full_key:
         message += _untyped_hint(full_key)
     elif full_key and full_key not in message:
@@ -88,8 +88,8 @@ def _untyped_hint(full_key: str) -> str:
     except Exception:  # a sweep's a,b values, a --config-dir of the user's: say no more than Hydra did
         return ""
     keys = [str(key) for key in node] if isinstance(node, DictConfig) else []
-    close = difflib.get_close_matches(name, keys, n=1)
-    return f"; did you mean {group}.{close[0]}?" if close else (f"; {group}.* has {', '.join(keys)}" if keys else "")
+    close = closest(name, set(keys))
+    return f"; did you mean {group}.{close}?" if close else (f"; {group}.* has {', '.join(keys)}" if keys else "")
 
 
 def _group_hint(message: str) -> str:
