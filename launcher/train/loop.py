@@ -22,8 +22,8 @@ from launcher.train.background_save import BackgroundSave, HostWeights
 from launcher.train.best import Best, write_best
 from launcher.train.compile_cache import CompileCache
 from launcher.train.data import DataPlan, StepWindows, Window, WindowStream, window_loader
-from launcher.train.evaluation import evaluate
 from launcher.train.dist import DistEnv, all_gather_objects, training_timeout
+from launcher.train.evaluation import evaluate
 from launcher.train.ledger import Progress, StepLedger
 from launcher.train.meter import Meter, peak_flops, peak_memory_mb, training_flops_per_item
 from launcher.train.metrics import RunLog
