@@ -83,22 +83,20 @@ def test_a_checkpoint_resumes_on_the_other_strategy_and_another_world(tmp_path: 
 
 
 def test_preemption_and_kill_9_under_fsdp_resume_bitwise(tmp_path: Path, reference) -> None:
-    """USR2 to the launcher, then the same command; SIGKILL of rank 1, then torchrun's restart: each ends bitwise
-    equal to an uninterrupted fsdp run, dropout's random streams and the samples included."""
-    fsdp = ("strategy=fsdp", *DROPOUT)
-    step = preempt(tmp_path / "preempted", signal.SIGUSR2, *fsdp)
-    out = finish(start(tmp_path / "preempted", *SLOW, *fsdp), 0)
-    assert f"resumed from step {step}" in out
-    killed = tmp_path / "killed"
-    proc = start(killed, *SLOW, *fsdp, "launcher.max_restarts=1")
-    wait_until(lambda: (killed / "checkpoints" / "40" / "COMPLETE").exists())
+    """USR2 to the launcher, then the same command, in which a SIGKILL of rank 1 makes torchrun restart the group:
+    one run dir through both resumes ends bitwise equal to an uninterrupted fsdp run, dropout's random streams and
+    the samples included."""
+    run_dir, fsdp = tmp_path / "interrupted", ("strategy=fsdp", *DROPOUT)
+    step = preempt(run_dir, signal.SIGUSR2, *fsdp)  # (a checkpoint at a step of 25..45)
+    proc = start(run_dir, *SLOW, *fsdp, "launcher.max_restarts=1")
+    wait_until(lambda: (run_dir / "checkpoints" / "80" / "COMPLETE").exists())
     time.sleep(random.uniform(0.0, 0.3))
     os.kill(worker_pid(proc.pid, rank=1), signal.SIGKILL)
-    finish(proc, 0)
-    assert summary(killed)["restarts"] == 1
-    for run_dir in (tmp_path / "preempted", killed):
-        assert bitwise_equal(weights(run_dir), weights(reference["fsdp"]))
-        assert sample_stream(run_dir) == sample_stream(reference["fsdp"])
+    out = finish(proc, 0)
+    assert f"resumed from step {step}" in out and f"resumed from step {summary(run_dir)['resumed_from']}" in out
+    assert summary(run_dir)["restarts"] == 1 and summary(run_dir)["resumed_from"] >= 80
+    assert bitwise_equal(weights(run_dir), weights(reference["fsdp"]))
+    assert sample_stream(run_dir) == sample_stream(reference["fsdp"])
 
 
 def test_fp16_skips_and_rescales_under_fsdp_as_under_ddp_and_bf16_trains(tmp_path: Path) -> None:
