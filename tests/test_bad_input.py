@@ -12,13 +12,9 @@ from omegaconf import OmegaConf
 from conftest import compose_config, run_cli
 from jobs.toy import ToyRegression
 from launcher.derived import ConfigError
-from launcher.launch.checks import check_job_inputs
-from launcher.launch.known_keys import check_known_keys
-from launcher.launch.plan import make_plan, resolve
-from launcher.launch.resume import check_resume, finished
+from launcher.launch.cli import check_inputs, checked_config
+from launcher.launch.resume import finished
 from launcher.launch.slurm import active_job
-from launcher.launch.slurm_submit import dependency
-from launcher.rundir import pinned_pretrained
 from launcher.train.job import build_part, check_task
 
 
@@ -173,15 +169,10 @@ def parent_refusal(overrides: list[str], run_dir: Path) -> str:
     """cli.launch's checks, in its order, in this process: what it would print after `error: `."""
     cfg = compose_config(*overrides)
     with pytest.raises(ConfigError) as error:
-        check_known_keys(cfg)
-        plan = make_plan(cfg)
         # (shared_run_dir, for several local nodes, asks only for a hydra.run.dir, which every case has)
-        config = resolve(cfg, plan)
-        resume_step = check_resume(run_dir, config)
+        _, config, resume_step = checked_config(cfg, run_dir)
         assert finished(run_dir, config, resume_step) is None and active_job(run_dir) is None  # (no refusal: exit 0)
-        check_job_inputs(config, pinned_pretrained(run_dir))
-        if cfg.launcher.name == "slurm":
-            dependency(config["launcher"])
+        check_inputs(config, run_dir)
     return str(error.value)
 
 

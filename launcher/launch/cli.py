@@ -108,17 +108,31 @@ def main(cfg: DictConfig) -> None:
             launch(cfg, run_dir)
 
 
+def checked_config(cfg: DictConfig, run_dir: Path) -> tuple[Plan, dict, int | None]:
+    """The parent's checks of the config itself, in order (ConfigError names the key): the plan, the resolved
+    config the workers read, and the step a resume starts from."""
+    check_known_keys(cfg)  # +train.max_step=20 would train 200 steps with a key nothing reads
+    plan = make_plan(cfg)
+    if plan.nnodes > 1 and cfg.launcher.name == "local":
+        shared_run_dir(plan.nnodes)
+    config = resolve(cfg, plan)
+    return plan, config, check_resume(run_dir, config)
+
+
+def check_inputs(config: dict, run_dir: Path) -> None:
+    """The parent's checks of what the run reads (ConfigError): the job's data and models, and with launcher=slurm
+    the jobs that launcher.dependency / launcher.after name."""
+    check_job_inputs(config, pinned_pretrained(run_dir))
+    if config["launcher"]["name"] == "slurm":
+        dependency(config["launcher"])
+
+
 def launch(cfg: DictConfig, run_dir: Path) -> None:
     """Check, resolve and write the run's config, then run its workers here or queue its Slurm job."""
     if cfg.launcher.name == "slurm":  # no agent will start here to end as preempted
         release_early_signals()
     try:
-        check_known_keys(cfg)  # +train.max_step=20 would train 200 steps with a key nothing reads
-        plan = make_plan(cfg)
-        if plan.nnodes > 1 and cfg.launcher.name == "local":
-            shared_run_dir(plan.nnodes)
-        config = resolve(cfg, plan)
-        resume_step = check_resume(run_dir, config)
+        plan, config, resume_step = checked_config(cfg, run_dir)
         # A finished run, or one whose Slurm job goes on, starts nothing: the command of a sweep whose points ended
         # apart (some failed, some were cancelled) runs again as a whole and queues only what is left
         done = finished(run_dir, config, resume_step)
@@ -127,9 +141,7 @@ def launch(cfg: DictConfig, run_dir: Path) -> None:
             print(done or f"run dir {run_dir}: its {active}; nothing to start (it resumes there by itself; scancel "
                           f"it first to start this command instead)", flush=True)
             return
-        check_job_inputs(config, pinned_pretrained(run_dir))  # (inputs of a finished run may be gone meanwhile)
-        if cfg.launcher.name == "slurm":
-            dependency(config["launcher"])  # launcher.dependency / launcher.after name a job that exists
+        check_inputs(config, run_dir)  # (inputs of a finished run may be gone meanwhile)
         point = hydra_point(run_dir)
         trackers = start_trackers(run_dir, config, point, cfg.launcher.dry_run)  # the last check
     except ConfigError as err:
