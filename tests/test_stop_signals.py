@@ -25,6 +25,12 @@ pytestmark = pytest.mark.slow
 SLOW = ("data.sleep_s=3", "train.ckpt_every=1", "train.max_steps=3")
 
 
+def saved(run_dir: Path, step: int) -> bool:
+    """Step `step`'s checkpoint is complete: its metrics line comes first, and a stop that comes in between
+    kills the background write that would have made it (then a relaunch starts over, rightly)."""
+    return (run_dir / "checkpoints" / str(step) / "COMPLETE").exists()
+
+
 @pytest.mark.skipif(not TORCHRUN_SHUTDOWN_TIMEOUT, reason="torchrun before 2.12 waits a fixed 30 s, not shutdown_timeout_s")
 def test_a_preemption_whose_checkpoint_never_came_still_exits_with_the_requeue_code(tmp_path: Path) -> None:
     """A step of 6 s cannot end within launcher.shutdown_timeout_s=1: the agent kills the workers before
@@ -32,7 +38,7 @@ def test_a_preemption_whose_checkpoint_never_came_still_exits_with_the_requeue_c
     waits for 75 gave the job up; now the run resumes from its newest checkpoint."""
     run_dir = tmp_path / "run"
     proc = start(run_dir, *SLOW, "launcher.shutdown_timeout_s=1")
-    wait_until(lambda: logged_step(run_dir) >= 1)
+    wait_until(lambda: saved(run_dir, 1))
     proc.send_signal(signal.SIGTERM)
     out = finish(proc, REQUEUE_EXIT_CODE)
     assert (f"preempted by SIGTERM before the workers saved a checkpoint (they were starting, were stopped again, "
@@ -50,7 +56,7 @@ def test_ctrl_c_twice_stops_at_once_without_the_save(tmp_path: Path) -> None:
     ends the workers at once. Without that, the launcher waited launcher.shutdown_timeout_s (120 s here)."""
     run_dir = tmp_path / "run"
     proc = start(run_dir, *SLOW)
-    wait_until(lambda: logged_step(run_dir) >= 1)
+    wait_until(lambda: saved(run_dir, 1))
     proc.send_signal(signal.SIGINT)
     time.sleep(1.5)  # a repeat within REPEAT_S is Slurm's own delivery, not a person's second Ctrl-C
     proc.send_signal(signal.SIGINT)
