@@ -4,7 +4,6 @@ Hydra runs the task once per run (once per sweep point with -m); Slurm runs are 
 submitted here afterwards, so a sweep becomes one job array.
 """
 import os
-import sys
 import time
 
 from launcher.preempt import keep_early_signals
@@ -15,6 +14,7 @@ from launcher.launch.cli import main  # noqa: E402
 from launcher.launch.errors import hydra_errors_in_one_line  # noqa: E402
 from launcher.launch.slurm_submit import discard_queued, submit_queued  # noqa: E402
 from launcher.launch.tracker_start import end_sweeps  # noqa: E402
+from launcher.process_exit import exit_without_teardown  # noqa: E402
 
 failed = True
 try:
@@ -25,4 +25,4 @@ try:
 finally:
     discard_queued()  # a sweep point's error, or sbatch's refusal: nothing half-made of what was not submitted
     end_sweeps(failed)  # a -m sweep's parent tracker run ends once its points ran or were submitted
-sys.exit(code)
+exit_without_teardown(code)  # (a refusal's SystemExit, or an error, takes the slow way)

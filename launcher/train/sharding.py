@@ -9,14 +9,12 @@ stays a save_pretrained dir. Exercised by: tests/test_fsdp.py (`python -m launch
 """
 from __future__ import annotations
 
+import sys
 from contextlib import contextmanager
 from typing import Any, Iterator
 
 import torch
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor, Shard
 
 from launcher.train.precision import Precision
 
@@ -69,6 +67,11 @@ def shard(model: nn.Module, reshard_after_forward: bool, block: str | None, prec
     the all-gather's bytes) and gradients are reduced in float32; the shards, and so the optimizer, stay in the
     weights' own dtype. The forward still runs under autocast, as with DDP: ops that need float32 (softmax,
     layer norm, the loss) get it."""
+    # imported here: FSDP2 and DTensor cost each process 1.2 s to import and as much again at its exit, which a
+    # DDP run does not pay (a toy launch: 14 -> 11 s)
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
     dtype = precision.autocast_dtype
     policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32 if dtype else None)
     mesh = init_device_mesh(device.type, (world_size,))
@@ -80,7 +83,13 @@ def shard(model: nn.Module, reshard_after_forward: bool, block: str | None, prec
 
 
 def is_sharded(model: nn.Module) -> bool:
-    return isinstance(model, FSDPModule)
+    fsdp = sys.modules.get("torch.distributed.fsdp")  # shard() imports it: until then no module is sharded
+    return fsdp is not None and isinstance(model, fsdp.FSDPModule)
+
+
+def is_dtensor(value: Any) -> bool:
+    tensor = sys.modules.get("torch.distributed.tensor")  # (fully_shard imports it: until then none is one)
+    return tensor is not None and isinstance(value, tensor.DTensor)
 
 
 @contextmanager
@@ -102,14 +111,14 @@ def total_norm(grads: list[torch.Tensor]) -> torch.Tensor:
     """The global 2-norm of the gradients: sharded ones' norm is all-reduced over the shards (DTensor), the
     same on every rank; a plain tensor either way."""
     norm = torch.nn.utils.get_total_norm(grads)
-    return norm.full_tensor() if isinstance(norm, DTensor) else norm
+    return norm.full_tensor() if is_dtensor(norm) else norm
 
 
 def _full(value: Any, on_rank_0: bool) -> Any:
     """A tensor's full value on rank 0's host (every rank enters the all-gather of a DTensor); None elsewhere."""
     if not isinstance(value, torch.Tensor):
         return value
-    full = value.full_tensor() if isinstance(value, DTensor) else value.detach()
+    full = value.full_tensor() if is_dtensor(value) else value.detach()
     return full.to("cpu") if on_rank_0 else None  # (.to: the GPU's copy; a CPU tensor stays where it is)
 
 
@@ -133,9 +142,11 @@ def full_optimizer_state(optimizer: torch.optim.Optimizer, on_rank_0: bool) -> d
     return {**saved, "state": state}
 
 
-def _my_rows(full: torch.Tensor, like: DTensor) -> torch.Tensor:
-    """This rank's part of `full` as fully_shard keeps it: torch.chunk's piece along the sharded dim (Shard(0) on
-    a 1-D mesh), on the shard's device, in its dtype."""
+def _my_rows(full: torch.Tensor, like: Any) -> torch.Tensor:
+    """This rank's part of `full` as fully_shard keeps it (`like`: its DTensor): torch.chunk's piece along the
+    sharded dim (Shard(0) on a 1-D mesh), on the shard's device, in its dtype."""
+    from torch.distributed.tensor import Shard
+
     (placement,) = like.placements
     assert isinstance(placement, Shard), placement
     pieces = torch.chunk(full, like.device_mesh.size(), dim=placement.dim)
@@ -160,7 +171,7 @@ def load_full_weights(model: nn.Module, tensors: dict[str, torch.Tensor]) -> Non
         raise ValueError(f"the checkpoint does not fit the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
     for name, full in tensors.items():
         target = targets[name]
-        if isinstance(target, DTensor):
+        if is_dtensor(target):
             target.to_local().copy_(_my_rows(full, target))
         else:
             target.copy_(full)
@@ -169,13 +180,15 @@ def load_full_weights(model: nn.Module, tensors: dict[str, torch.Tensor]) -> Non
 def shard_optimizer_state(optimizer: torch.optim.Optimizer, saved: dict[str, Any]) -> dict[str, Any]:
     """A checkpoint's full optimizer state (DDP's layout) as this rank's shards, for optimizer.load_state_dict:
     each moment the shape of its parameter becomes a DTensor like the parameter; step counts stay."""
+    from torch.distributed.tensor import DTensor
+
     params = [p for group in optimizer.param_groups for p in group["params"]]
     state = {}
     for index, moments in saved["state"].items():
         param = params[int(index)]
         state[index] = {key: DTensor.from_local(_my_rows(value, param), param.device_mesh, param.placements,
                                                 shape=param.shape, stride=param.stride())
-                        if isinstance(param, DTensor) and isinstance(value, torch.Tensor)
+                        if is_dtensor(param) and isinstance(value, torch.Tensor)
                         and value.shape == param.shape else value
                         for key, value in moments.items()}
     return {**saved, "state": state}
@@ -185,7 +198,7 @@ def state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str,
     """What this rank keeps: its weights, the gradients the optimizer steps with (one per trainable weight, its
     size) and the optimizer's state, in bytes (a DTensor counts its local shard)."""
     def size(tensor: torch.Tensor) -> int:
-        local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+        local = tensor.to_local() if is_dtensor(tensor) else tensor
         return local.numel() * local.element_size()
     params = list(model.parameters())
     return {"params": sum(size(p) for p in params), "grads": sum(size(p) for p in params if p.requires_grad),

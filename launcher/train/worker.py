@@ -23,6 +23,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from launcher.compat import DDP_NO_FORWARD_BUFFER_SYNC
 from launcher.derived import NODE_CONFIG, auto_precision, config_hash, differing_keys, grad_accum_steps
 from launcher.preempt import REQUEUE_EXIT_CODE, StopFlag, preemption_signals
+from launcher.process_exit import exit_without_teardown
 from launcher.train import checkpoint, micro_batch, sharding
 from launcher.train import dist as launcher_dist
 from launcher.train.background_save import BackgroundSave
@@ -279,3 +280,4 @@ if __name__ == "__main__":
         if not one_line and os.environ.get("RANK") == "0":  # a fault in the job's code: where, once (every rank
             traceback.print_exc()                              # builds the same)
         sys.exit(1)  # @record keeps the error for the launcher's one line
+    exit_without_teardown(0)  # (a preempted run exits 75 in main: what is rare may take the slow way)
