@@ -53,16 +53,19 @@ def test_bert_on_one_gpu(tmp_path: Path, tiny_bert: Path, precision: str) -> Non
     assert steps[-1]["tokens_per_sec"] > 0 and ("loss_scale" in steps[-1]) == (precision == "fp16")
 
 
-@pytest.mark.parametrize("precision", ["bf16", "fp16"])
-def test_fsdp_on_one_gpu(tmp_path: Path, tiny_bert: Path, precision: str) -> None:
-    """strategy=fsdp on CUDA: FSDP2's 16-bit gathers and float32 reduction, GradScaler on its DTensor gradients, and a
-    checkpoint of full tensors that transformers loads."""
+@pytest.mark.parametrize("precision,compiled", [("bf16", False), ("fp16", False), ("bf16", True)],
+                         ids=["bf16", "fp16", "bf16-compiled"])
+def test_fsdp_on_one_gpu(tmp_path: Path, tiny_bert: Path, precision: str, compiled: bool) -> None:
+    """strategy=fsdp on CUDA: FSDP2's 16-bit gathers and float32 reduction, GradScaler on its DTensor gradients, each
+    block compiled by inductor's Triton kernels, and a checkpoint of full tensors that transformers loads."""
     run_dir = run_ok(tmp_path, "+exp=bert", f"model.pretrained={tiny_bert}", *ONE_GPU, f"precision={precision}",
-                     "strategy=fsdp", "train.max_steps=20", "data.n_train=400", "data.n_eval=101")
+                     "strategy=fsdp", f"train.compile={str(compiled).lower()}", "train.max_steps=20",
+                     "data.n_train=400", "data.n_eval=101")
     summary = json.loads((run_dir / "summary.json").read_text())
     assert (summary["strategy"], summary["precision"]) == ("fsdp", precision) and summary["skipped_steps"] < 20
     assert summary["state_bytes_per_rank"]["optimizer"] > 0 and 0 <= summary["eval"]["accuracy"] <= 1
     transformers.AutoModelForSequenceClassification.from_pretrained(run_dir / "checkpoints" / "20")
+    assert (summary.get("compiled_graphs", 0) >= 1) == compiled
 
 
 def test_fp16_overflow_on_cuda_skips_halves_the_scale_and_holds_the_scheduler(tmp_path: Path) -> None:

@@ -114,12 +114,12 @@ def _choose(cfg: DictConfig, device_type: str, capabilities: list[tuple[int, int
     chosen: dict[str, Any] = {}
     if precision == "auto" and capabilities is not None:
         chosen["precision"] = auto_precision(device_type, capabilities)
-    compile_ = cfg.train.compile
+    compile_, ddp = cfg.train.compile, getattr(cfg.strategy.name, "value", cfg.strategy.name) == "ddp"
     if compile_ not in (True, False, "auto"):
         raise ConfigError(f"train.compile={compile_} is not one of true, false, auto")
-    if compile_ == "auto":  # (strategy=fsdp does not compile yet: launcher/launch/strategy_check.py)
-        chosen["compile"] = device_type == "cuda" and getattr(cfg.strategy.name, "value", cfg.strategy.name) == "ddp"
-    if cfg.train.compile_ddp_split is None and chosen.get("compile", compile_) is True:
+    if compile_ == "auto":  # strategy=fsdp compiles its blocks only when told: not yet measured on a GPU
+        chosen["compile"] = device_type == "cuda" and ddp
+    if ddp and cfg.train.compile_ddp_split is None and chosen.get("compile", compile_) is True:
         chosen["compile_ddp_split"] = auto_ddp_split(nnodes)
     return chosen
 

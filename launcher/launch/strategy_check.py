@@ -8,7 +8,7 @@ import torch
 from omegaconf import DictConfig
 
 from launcher.compat import FSDP2_ON_CPU
-from launcher.derived import ConfigError
+from launcher.derived import CUDA_GRAPH_MODES, ConfigError
 
 # DDP's own keys (conf: dist.*) with their defaults: under strategy=fsdp a changed one would do nothing
 DDP_KEYS = {"bucket_cap_mb": None, "gradient_as_bucket_view": True, "static_graph": False,
@@ -33,9 +33,13 @@ def check_strategy(cfg: DictConfig, device_type: str, compiles: bool) -> None:
     if cfg.train.micro_batch_size == "auto":  # a rank that runs out mid-forward would leave the others in a gather
         raise ConfigError("train.micro_batch_size=auto redoes a step after running out of memory, which strategy=fsdp "
                           "cannot (its forwards enter collectives); set a fixed train.micro_batch_size")
-    if compiles:
-        raise ConfigError("train.compile=true is not supported with strategy=fsdp yet (each block would compile on its "
-                          "own); use train.compile=false (or auto: eager under fsdp), or strategy=ddp")
+    if compiles and cfg.train.compile_ddp_split is not None:
+        raise ConfigError(f"train.compile_ddp_split={cfg.train.compile_ddp_split} is DDP's graph split; strategy=fsdp "
+                          f"compiles each block: drop it, or use strategy=ddp")
+    if compiles and cfg.train.compile_mode in CUDA_GRAPH_MODES:  # FSDP2's hooks run between the compiled blocks
+        raise ConfigError(f"train.compile_mode={cfg.train.compile_mode} captures CUDA graphs, which FSDP2's gathers "
+                          f"between the blocks break; use train.compile_mode=max-autotune-no-cudagraphs, or "
+                          f"strategy=ddp")
     for key, default in DDP_KEYS.items():
         if cfg.dist[key] != default:
             raise ConfigError(f"dist.{key}={cfg.dist[key]} is DDP's and has no effect with strategy=fsdp; drop it, "

@@ -4,6 +4,7 @@ Exercised by: `python -m launcher +exp=toy` (its eval at the end), tests/test_di
 """
 from __future__ import annotations
 
+from contextlib import nullcontext
 from typing import TYPE_CHECKING
 
 import torch
@@ -25,6 +26,17 @@ def evaluate(run: Run) -> dict[str, float]:
     module = run.module  # the bare module: DDP's forward could enter collectives unevenly here (FSDP's module
     # enters its all-gathers in every forward: every rank runs as many as rank 0)
     module.eval()
+    # strategy=fsdp compiles its blocks in place (launcher/train/sharding.py): no_grad forwards would compile
+    # them again, for the eval alone; they run eagerly, as DDP's bare module does
+    compiled_blocks = sharding.is_sharded(module) and run.compile_watch.enabled
+    with torch.compiler.set_stance("force_eager") if compiled_blocks else nullcontext():
+        metrics = _sums(run, module)
+    module.train()
+    return metrics
+
+
+def _sums(run: Run, module: torch.nn.Module) -> dict[str, float]:
+    """The eval's metrics from every rank's sums over its share."""
     keys, device = run.task.eval_sum_keys, run.env.device
     sums = torch.zeros(len(keys), dtype=torch.float64, device=device)
     host_sums = [0.0] * len(keys)  # float64 too
@@ -43,5 +55,4 @@ def evaluate(run: Run) -> dict[str, float]:
                 host_sums[i] += float(value)
     sums += torch.tensor(host_sums, dtype=torch.float64).to(device)
     all_reduce_sum(sums)
-    module.train()
     return run.task.eval_metrics(dict(zip(keys, sums.tolist())))

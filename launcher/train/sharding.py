@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import sys
 from contextlib import contextmanager
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
@@ -60,8 +60,12 @@ def blocks(model: nn.Module, block: str | None) -> tuple[list[nn.Module], str]:
 
 
 def shard(model: nn.Module, reshard_after_forward: bool, block: str | None, precision: Precision,
-          device: torch.device, world_size: int) -> str:
+          device: torch.device, world_size: int, compile_block: Callable[[nn.Module], None] | None = None) -> str:
     """fully_shard the model in place (each block, then the root); what was sharded, in words.
+
+    `compile_block` (train.compile): each block's forward is compiled in place first, torchtitan's way: FSDP2's
+    gathers and reduce-scatters run eagerly between the compiled blocks, whose names and state_dict keys stay.
+    dynamo leaves torch's own modules (the each-Linear rule) eager: such blocks are refused here.
 
     Under bf16/fp16 the gathered weights are cast to that dtype once per gather (FSDP2's mixed precision: half
     the all-gather's bytes) and gradients are reduced in float32; the shards, and so the optimizer, stay in the
@@ -76,6 +80,14 @@ def shard(model: nn.Module, reshard_after_forward: bool, block: str | None, prec
     policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32 if dtype else None)
     mesh = init_device_mesh(device.type, (world_size,))
     found, said = blocks(model, block)
+    if compile_block:
+        builtin = sorted({type(m).__name__ for m in found if type(m).__module__.startswith("torch.")})
+        if builtin:
+            raise ValueError(f"train.compile=true under strategy=fsdp compiles each block, and {'/'.join(builtin)} "
+                             f"is torch's own module, which torch.compile leaves eager; name a block class of "
+                             f"the model with strategy.block=<class name>, or use train.compile=false")
+        for module in found:
+            compile_block(module)
     for module in found:
         fully_shard(module, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy)
     fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy)

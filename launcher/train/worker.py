@@ -71,9 +71,11 @@ def build(cfg: DictConfig, run_dir: Path, env: launcher_dist.DistEnv) -> Run:
     compile_cache = CompileCache(run_dir, env.local_rank, env.device, train_cfg.compile and train_cfg.compile_cache)
     compile_cache.load(lambda message: print(message, file=sys.stderr, flush=True))  # before anything compiles
     compiling = train_cfg.compile and not compile_turned_off(cfg, env)
-    if cfg.strategy.name == "fsdp":  # (the parent lets no compile, DDP key or micro-batch probe through with it)
+    if cfg.strategy.name == "fsdp":  # (the parent lets no DDP key, graph split or micro-batch probe through)
+        compile_block = (lambda block: block.compile(mode=train_cfg.compile_mode, dynamic=train_cfg.compile_dynamic,
+                                                     fullgraph=train_cfg.compile_fullgraph)) if compiling else None
         sharded = sharding.shard(model, cfg.strategy.reshard_after_forward, cfg.strategy.block, precision, env.device,
-                                 env.world_size)
+                                 env.world_size, compile_block)
         trained = model  # its forward gathers each block's weights
     else:
         sharded = None
