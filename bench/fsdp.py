@@ -1,10 +1,11 @@
 """Issue 40's numbers: strategy=fsdp against strategy=ddp on the same workload, interleaved A B A B.
 
 +exp=bench (BERT 4 x 256, seq 128, random tokens, micro-batch 8, accumulation 4, AdamW, clipping 1.0) on 2 ranks
-(gloo on the CPU; on a GPU machine --gpu: BERT-base on one GPU, bf16). Per strategy and round: seconds per
-optimizer step (median over log intervals after the first), peak memory of rank 0 (RSS on the CPU, allocated on a
-GPU), and the state each rank keeps (summary.json's state_bytes_per_rank: weights, gradients, optimizer). On one
-GPU fsdp shards over a world of 1: the numbers there are its overhead against ddp, not its saving.
+(gloo on the CPU; on a GPU machine --gpu: BERT-base on one GPU, bf16, eager and compiled). Per row and round:
+seconds per optimizer step (median over log intervals after the first), peak memory of rank 0 (RSS on the CPU,
+allocated on a GPU), and the state each rank keeps (summary.json's state_bytes_per_rank: weights, gradients,
+optimizer). On one GPU fsdp shards over a world of 1: the numbers there are its overhead against ddp, not its
+saving.
 Run: python bench/fsdp.py [--rounds 2] [--gpu] --out bench/RESULTS-FSDP.md
 """
 from __future__ import annotations
@@ -27,12 +28,16 @@ CPU = ("+exp=bench", "launcher.device=cpu", "launcher.nproc_per_node=2", "train.
        "train.eval_every=0")
 GPU = ("+exp=bench", "launcher.device=cuda", "launcher.nproc_per_node=1", "model.layers=12", "model.hidden=768",
        "model.heads=12", "train.global_batch_size=512", "train.micro_batch_size=128", "precision=bf16",
-       "train.compile=false", "train.max_steps=40", "train.log_every=5", "train.eval_every=0")
+       "train.max_steps=40", "train.log_every=5", "train.eval_every=0")
+# what each row runs (with --gpu also compiled: one graph for ddp, each block for fsdp)
+EAGER = {"ddp": ("strategy=ddp", "train.compile=false"), "fsdp": ("strategy=fsdp", "train.compile=false")}
+COMPILED = {"ddp, compiled": ("strategy=ddp", "train.compile=true"),
+            "fsdp, compiled per block": ("strategy=fsdp", "train.compile=true")}
 
 
-def run(run_dir: Path, common: tuple[str, ...], strategy: str) -> dict:
-    out = subprocess.run([sys.executable, "-m", "launcher", *common, f"strategy={strategy}",
-                          f"hydra.run.dir={run_dir}"], cwd=REPO, capture_output=True, text=True)
+def run(run_dir: Path, common: tuple[str, ...], variant: tuple[str, ...]) -> dict:
+    out = subprocess.run([sys.executable, "-m", "launcher", *common, *variant, f"hydra.run.dir={run_dir}"], cwd=REPO,
+                         capture_output=True, text=True)
     if out.returncode:
         sys.exit(out.stdout[-2000:] + out.stderr[-3000:])
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -50,11 +55,12 @@ def main() -> None:
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     common = GPU if args.gpu else CPU
-    results: dict[str, list[dict]] = {"ddp": [], "fsdp": []}
+    variants = {**EAGER, **(COMPILED if args.gpu else {})}
+    results: dict[str, list[dict]] = {name: [] for name in variants}
     with tempfile.TemporaryDirectory() as tmp:
         for round_ in range(args.rounds):
-            for strategy in results:
-                results[strategy].append(run(Path(tmp) / f"{strategy}{round_}", common, strategy))
+            for i, (name, variant) in enumerate(variants.items()):
+                results[name].append(run(Path(tmp) / f"{i}-{round_}", common, variant))
     device = torch.cuda.get_device_name() if args.gpu else f"{platform.machine()}, cpu, {torch.get_num_threads()} threads"
     lines = [f"# strategy=fsdp against strategy=ddp ({time.strftime('%Y-%m-%d')})", "",
              f"Machine: {device}; torch {torch.__version__}; `{' '.join(common)}`; {args.rounds} interleaved rounds.", "",
