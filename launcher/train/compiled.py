@@ -14,6 +14,7 @@ from contextlib import contextmanager
 from typing import Any, Iterator
 
 import torch
+from torch._dynamo.exc import TorchDynamoException, Unsupported, UserError
 
 from launcher.derived import CUDA_GRAPH_MODES
 
@@ -69,8 +70,6 @@ def compile_failure(error: BaseException) -> bool:
     """Did `error` come from compiling? torch 2.6 raises some internal errors unwrapped: those still pass
     through dynamo's frame conversion. (eval_frame.py alone is on the stack of every compiled call, and of
     torch functions that turn dynamo off: an error there is the code's, not the compiler's.)"""
-    from torch._dynamo.exc import TorchDynamoException  # here: an eager run's workers never import dynamo (0.9 s)
-
     if isinstance(error, TorchDynamoException):
         return True
     return any(frame.f_code.co_filename.endswith(CONVERT_FRAME) for frame, _ in traceback.walk_tb(error.__traceback__))
@@ -85,8 +84,6 @@ def what_failed(error: BaseException) -> tuple[BaseException, str]:
 
 def failure_line(error: BaseException, fullgraph: bool) -> str:
     """What went wrong (the inner error, where torch wraps one) and where in the user's code."""
-    from torch._dynamo.exc import Unsupported, UserError
-
     _, what = what_failed(error)
     text = str(error)
     user_code = text.split("from user code:")[-1] if "from user code:" in text else ""

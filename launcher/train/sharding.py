@@ -71,8 +71,8 @@ def shard(model: nn.Module, reshard_after_forward: bool, block: str | None, prec
     the all-gather's bytes) and gradients are reduced in float32; the shards, and so the optimizer, stay in the
     weights' own dtype. The forward still runs under autocast, as with DDP: ops that need float32 (softmax,
     layer norm, the loss) get it."""
-    # imported here: FSDP2 and DTensor cost each process 1.2 s to import and as much again at its exit, which a
-    # DDP run does not pay (a toy launch: 14 -> 11 s)
+    # imported here: FSDP2 and DTensor cost each process 1.2 s to import, and more at its exit, which a DDP run
+    # does not pay (the launcher's parent imports this module too; bench/launch_time.py)
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
