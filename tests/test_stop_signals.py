@@ -18,17 +18,14 @@ from conftest import REPO, subprocess_env
 from helpers import finish, free_port, logged_step, node, start, store, wait_until
 from launcher.compat import TORCHRUN_SHUTDOWN_TIMEOUT
 from launcher.preempt import REQUEUE_EXIT_CODE
+from launcher.rundir import complete_steps
 
 pytestmark = pytest.mark.slow
 # Steps of 6 s (2 micro-batches of 3 s), a checkpoint after each: a stop asked for early in step 2 cannot be
 # saved before the end of step 2, seconds later
 SLOW = ("data.sleep_s=3", "train.ckpt_every=1", "train.max_steps=3")
-
-
-def saved(run_dir: Path, step: int) -> bool:
-    """Step `step`'s checkpoint is complete: its metrics line comes first, and a stop that comes in between
-    kills the background write that would have made it (then a relaunch starts over, rightly)."""
-    return (run_dir / "checkpoints" / str(step) / "COMPLETE").exists()
+# A stop waits for step 1's complete checkpoint, not its metrics line: that line comes first, and a stop in between
+# kills the background write that would have made the checkpoint (a relaunch then starts over, rightly)
 
 
 @pytest.mark.skipif(not TORCHRUN_SHUTDOWN_TIMEOUT, reason="torchrun before 2.12 waits a fixed 30 s, not shutdown_timeout_s")
@@ -38,7 +35,7 @@ def test_a_preemption_whose_checkpoint_never_came_still_exits_with_the_requeue_c
     waits for 75 gave the job up; now the run resumes from its newest checkpoint."""
     run_dir = tmp_path / "run"
     proc = start(run_dir, *SLOW, "launcher.shutdown_timeout_s=1")
-    wait_until(lambda: saved(run_dir, 1))
+    wait_until(lambda: 1 in complete_steps(run_dir))
     proc.send_signal(signal.SIGTERM)
     out = finish(proc, REQUEUE_EXIT_CODE)
     assert (f"preempted by SIGTERM before the workers saved a checkpoint (they were starting, were stopped again, "
@@ -56,7 +53,7 @@ def test_ctrl_c_twice_stops_at_once_without_the_save(tmp_path: Path) -> None:
     ends the workers at once. Without that, the launcher waited launcher.shutdown_timeout_s (120 s here)."""
     run_dir = tmp_path / "run"
     proc = start(run_dir, *SLOW)
-    wait_until(lambda: saved(run_dir, 1))
+    wait_until(lambda: 1 in complete_steps(run_dir))
     proc.send_signal(signal.SIGINT)
     time.sleep(1.5)  # a repeat within REPEAT_S is Slurm's own delivery, not a person's second Ctrl-C
     proc.send_signal(signal.SIGINT)
