@@ -61,6 +61,7 @@ def main() -> None:
         for round_ in range(args.rounds):
             for i, (name, variant) in enumerate(variants.items()):
                 results[name].append(run(Path(tmp) / f"{i}-{round_}", common, variant))
+                print(name, round_, results[name][-1], flush=True)  # a call cut off at its limit keeps what ran
     device = torch.cuda.get_device_name() if args.gpu else f"{platform.machine()}, cpu, {torch.get_num_threads()} threads"
     lines = [f"# strategy=fsdp against strategy=ddp ({time.strftime('%Y-%m-%d')})", "",
              f"Machine: {device}; torch {torch.__version__}; `{' '.join(common)}`; {args.rounds} interleaved rounds.", "",
