@@ -47,7 +47,7 @@ def test_a_save_in_flight_writes_its_step_s_state_as_a_synchronous_save_would(tm
     save_model(model, str(tmp_path / "expected.safetensors"), metadata={"format": "pt"})
     release = threading.Event()
 
-    def write(weights, state):
+    def write(weights, state, moments):
         release.wait()
         save_model(weights, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
         torch.save(state, tmp_path / "state.pt")
@@ -70,7 +70,7 @@ def test_a_save_in_flight_writes_its_step_s_state_as_a_synchronous_save_would(tm
 def test_a_failed_background_write_is_raised_by_the_next_wait_naming_its_step():
     background = BackgroundSave(torch.device("cpu"))
 
-    def write(weights, state):
+    def write(weights, state, moments):
         raise OSError(28, "No space left on device")
 
     background.start(12, torch.nn.Linear(2, 2), {}, write)

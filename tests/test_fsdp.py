@@ -1,8 +1,8 @@
 """strategy=fsdp (FSDP2) against strategy=ddp, with real processes: torchrun + gloo on CPU (issue 40).
 
 The same math (AdamW, clipping, accumulation, a short last window whose micro-batches differ in number between
-the ranks, an uneven eval), half the state per rank, checkpoints in DDP's files that resume across strategies
-and world sizes, preemption and kill -9 resumed bitwise, and a BERT checkpoint plain transformers loads.
+the ranks, an uneven eval), half the state per rank, checkpoints whose moments each rank writes in shards and
+that resume across strategies and world sizes, preemption and kill -9 resumed bitwise, and a BERT checkpoint plain transformers loads.
 """
 from __future__ import annotations
 
@@ -61,18 +61,28 @@ def test_fsdp_trains_as_ddp_does_and_keeps_half_the_state(pair: dict[str, Path])
     sharded, whole = summary(fsdp)["state_bytes_per_rank"], summary(ddp)["state_bytes_per_rank"]
     assert set(sharded) == {"params", "grads", "optimizer"} and whole["optimizer"] > 0
     assert sum(sharded.values()) <= 0.55 * sum(whole.values()), (sharded, whole)
+    step_dir = fsdp / "checkpoints" / "20"  # each rank wrote its shards of the moments; rank 0 the rest
+    marker = json.loads((step_dir / "COMPLETE").read_text())["sha256"]
+    assert {"optimizer/__0_0.distcp", "optimizer/__1_0.distcp", "optimizer/.metadata"} <= set(marker)
+    kept = torch.load(step_dir / "train_state.pt", weights_only=True)
+    assert kept["optimizer_moments"] == "optimizer" and kept["optimizer"]["state"]
+    assert all(value.dim() == 0 for moments in kept["optimizer"]["state"].values() for value in moments.values())
     log = (fsdp / "launcher.log").read_text()
     assert "strategy=fsdp: sharded 2 x Linear (each Linear), then the root" in log
     assert "strategy fsdp: each block" in log.splitlines()[0]  # the launcher's first line says the rule
 
 
 @pytest.mark.parametrize("origin,target", [("fsdp", ("strategy=ddp", "launcher.nproc_per_node=1")),
-                                           ("ddp", ("strategy=fsdp", "launcher.nproc_per_node=3"))],
-                         ids=["fsdp-on-1-ddp-rank", "ddp-on-3-fsdp-ranks"])
-def test_a_checkpoint_resumes_on_the_other_strategy_and_another_world(tmp_path: Path, pair: dict[str, Path],
-                                                                     origin: str, target: tuple[str, ...]) -> None:
-    """Step 10's checkpoint of one strategy, resumed by the other on another world size (3 ranks: the toy's 2-row
-    output layer leaves rank 2 an empty shard), trains to what the uninterrupted run reached at step 20."""
+                                           ("ddp", ("strategy=fsdp", "launcher.nproc_per_node=3")),
+                                           ("fsdp", ("strategy=fsdp", "launcher.nproc_per_node=3",
+                                                     "train.ckpt_async=false"))],
+                         ids=["fsdp-on-1-ddp-rank", "ddp-on-3-fsdp-ranks", "fsdp-on-3-fsdp-ranks"])
+def test_a_checkpoint_resumes_on_another_strategy_or_world(tmp_path: Path, pair: dict[str, Path],
+                                                          origin: str, target: tuple[str, ...]) -> None:
+    """Step 10's checkpoint of one strategy, resumed on another world size by the other strategy or by fsdp (the
+    2 ranks' shards of the moments read as 3 ranks' rows; the toy's 2-row output layer leaves rank 2 an empty
+    shard, which its own save, written in the foreground, writes too), trains to what the uninterrupted run
+    reached at step 20."""
     run_dir = tmp_path / "resumed"
     shutil.copytree(pair[origin], run_dir)
     shutil.rmtree(run_dir / "checkpoints" / "20")
@@ -80,6 +90,22 @@ def test_a_checkpoint_resumes_on_the_other_strategy_and_another_world(tmp_path: 
     train(run_dir, *target)
     assert summary(run_dir)["resumed_from"] == 10
     assert_params_close(weights(run_dir, 20), weights(pair[origin], 20), rtol=1e-9)
+
+
+def test_a_damaged_shard_of_the_moments_makes_its_checkpoint_unusable(tmp_path: Path, pair: dict[str, Path]) -> None:
+    """One flipped byte in rank 1's shard of step 20's moments: its sha256 (taken by rank 1, kept in rank 0's
+    COMPLETE marker) no longer matches, so the resume says so, takes step 10 and trains to step 20 again."""
+    run_dir = tmp_path / "damaged"
+    shutil.copytree(pair["fsdp"], run_dir)
+    shard = run_dir / "checkpoints" / "20" / "optimizer" / "__1_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    (run_dir / "summary.json").unlink()
+    train(run_dir, "strategy=fsdp")
+    assert summary(run_dir)["resumed_from"] == 10
+    assert "optimizer/__1_0.distcp does not match its checksum" in (run_dir / "launcher.log").read_text()
+    assert_params_close(weights(run_dir, 20), weights(pair["fsdp"], 20), rtol=1e-9)
 
 
 def test_preemption_and_kill_9_under_fsdp_resume_bitwise(tmp_path: Path, reference) -> None:

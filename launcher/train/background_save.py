@@ -1,7 +1,8 @@
 """train.ckpt_async: a checkpoint copied to host memory at its step, written by a thread while training goes on.
 
 Rank 0 copies the weights and the train state (the optimizer's moments too: the next step changes them in place)
-into host buffers it keeps from save to save, pinned on CUDA: there the copies are queued on the GPU behind the
+into host buffers it keeps from save to save, and under strategy=fsdp every rank its shards of the moments
+(launcher/train/sharded_checkpoint.py), pinned on CUDA: there the copies are queued on the GPU behind the
 step, and the thread, not the training, waits for them. The thread then writes exactly what a synchronous save
 writes (launcher/train/checkpoint.py: temp dir, checksums, COMPLETE, rename), so a crash at any instant leaves the
 newest complete checkpoint, never a torn one that counts. A save waits for the one before it; the final save and
@@ -14,6 +15,8 @@ import threading
 from typing import Any, Callable
 
 import torch
+
+from launcher.train import sharded_checkpoint
 
 
 class HostWeights:
@@ -36,21 +39,25 @@ class BackgroundSave:
         self._error: BaseException | None = None
         self._step: int | None = None
 
-    def start(self, step: int, model: torch.nn.Module, train_state: dict[str, Any],
-              write: Callable[[HostWeights, dict[str, Any]], None]) -> None:
-        """Wait for the save before (raising its error), copy this step's state, and write it in a thread."""
+    def start(self, step: int, model: torch.nn.Module | None, train_state: dict[str, Any] | None,
+              write: Callable[[HostWeights | None, dict[str, Any] | None, dict[str, Any] | None], None],
+              moments: dict[str, Any] | None = None) -> None:
+        """Wait for the save before (raising its error), copy this step's state, and write it in a thread. Under
+        strategy=fsdp the ranks but rank 0 have only `moments`, their shards (model and train_state None)."""
         self.wait()
         shared: dict[tuple, torch.Tensor] = {}  # tied weights (an embedding and its decoder) stay one copy
-        weights = HostWeights({name: self._host(f"model/{name}", tensor, shared)
-                               for name, tensor in model.state_dict().items()})
-        state = self._copy(train_state, "state", shared)
+        weights = None if model is None else HostWeights({name: self._host(f"model/{name}", tensor, shared)
+                                                          for name, tensor in model.state_dict().items()})
+        state = None if train_state is None else self._copy(train_state, "state", shared)
+        shards = None if moments is None else {key: sharded_checkpoint.on_host(value, self._host(
+            f"moments/{key}", value.to_local(), shared)) for key, value in moments.items()}
         ready = None
         if self.device.type == "cuda":  # the copies are queued behind the step: the thread waits for them
             ready = torch.cuda.Event()
             ready.record()
         self._step = step
         # not a daemon: an error that ends the worker still lets Python finish the write before it exits
-        self._thread = threading.Thread(target=self._write, args=(write, weights, state, ready),
+        self._thread = threading.Thread(target=self._write, args=(write, weights, state, shards, ready),
                                         name=f"launcher-checkpoint-{step}")
         self._thread.start()
 
@@ -64,12 +71,13 @@ class BackgroundSave:
             raise RuntimeError(f"the checkpoint of step {self._step}, written in the background, failed: "
                                f"{type(error).__name__}: {error}") from error
 
-    def _write(self, write: Callable[[HostWeights, dict[str, Any]], None], weights: HostWeights,
-               state: dict[str, Any], ready: torch.cuda.Event | None) -> None:
+    def _write(self, write: Callable[[HostWeights | None, dict[str, Any] | None, dict[str, Any] | None], None],
+               weights: HostWeights | None, state: dict[str, Any] | None, shards: dict[str, Any] | None,
+               ready: torch.cuda.Event | None) -> None:
         try:
             if ready is not None:
                 ready.synchronize()
-            write(weights, state)
+            write(weights, state, shards)
         except BaseException as error:  # noqa: BLE001 - raised by the next wait(), on the training thread
             self._error = error
 

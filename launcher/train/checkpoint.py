@@ -23,9 +23,9 @@ from safetensors.torch import load_file, load_model, save_model
 
 from launcher.rundir import (MARKER, PRETRAINED_FILE, PRETRAINED_KEYS, best_record, complete_steps, is_run_dir,
                              pinned_checkpoint, pinned_pretrained, write_atomically)
-from launcher.train import sharding
+from launcher.train import sharded_checkpoint, sharding
 from launcher.train.background_save import BackgroundSave, HostWeights
-from launcher.train.dist import all_gather_objects, on_rank_0
+from launcher.train.dist import all_gather_objects, every_rank, on_rank_0
 
 
 def rng_state(device: torch.device) -> dict[str, Any]:
@@ -71,51 +71,72 @@ def _fsync(path: Path) -> None:
 def save(run_dir: Path, step: int, model: torch.nn.Module, train_state: dict[str, Any], keep: int,
          device: torch.device, model_files: Callable[[Path], None] | None = None,
          also_keep: int | None = None, background: BackgroundSave | None = None,
-         then: Callable[[], None] | None = None) -> Path:
+         then: Callable[[], None] | None = None, moments: dict[str, Any] | None = None) -> Path:
     """Every rank calls this (it gathers every rank's RNG state); rank 0 writes; all wait for the files, or, with
     `background` (train.ckpt_async), for rank 0's copy of the state to host memory (and for the save before).
+    With `moments` (strategy=fsdp: this rank's shards of the optimizer's moments, sharded_checkpoint.py) every
+    rank writes its own into the same checkpoint, and copies them to host memory for a background save.
     The newest `keep` checkpoints stay, and the one of step `also_keep` (train.best_metric's best).
     `model_files` writes what the job keeps beside the weights (a transformers job: config.json and the
     tokenizer, which make the checkpoint a save_pretrained dir); `then` runs on rank 0 once the save is complete."""
     rng_states = all_gather_objects(rng_state(device))
     final = run_dir / "checkpoints" / str(step)
     state = {**train_state, "rng": rng_states}
+    is_main = torch.distributed.get_rank() == 0
 
-    def write(weights: torch.nn.Module | HostWeights, written: dict[str, Any]) -> None:
-        _write(run_dir, step, weights, written, keep, model_files, also_keep)
-        if then:
+    def write(weights: torch.nn.Module | HostWeights | None, written: dict[str, Any] | None,
+              shards: dict[str, Any] | None) -> None:
+        _write(run_dir, step, weights, written, keep, model_files, also_keep, shards)
+        if then and weights is not None:
             then()
 
-    # also the wait for the files (or the copy): no rank reads them before; a failure (a full disk) is every
-    # rank's, a background save's at the next save
-    on_rank_0(lambda: write(model, state) if background is None else background.start(step, model, state, write),
-              describe=lambda error: f"checkpoint of step {step} in {final.parent} failed: {type(error).__name__}: "
-                                     f"{error}")
+    def describe(error: Exception) -> str:
+        return f"checkpoint of step {step} in {final.parent} failed: {type(error).__name__}: {error}"
+
+    if moments is None:  # also the wait for the files (or the copy): no rank reads them before; a failure (a full
+        # disk) is every rank's, a background save's at the next save
+        on_rank_0(lambda: (write(model, state, None) if background is None
+                           else background.start(step, model, state, write)), describe=describe)
+        return final
+    wait_for_background(background)  # every rank's part of the save before: rank 0's error is every rank's
+    mine = (model, state) if is_main else (None, None)  # the other ranks write their shards only
+    if background is None:
+        every_rank(lambda: write(*mine, moments), describe=describe)
+    else:
+        background.start(step, *mine, write, moments)
     return final
 
 
 def wait_for_background(background: BackgroundSave | None) -> None:
-    """Every rank calls this: returns once rank 0's save in flight is complete; its failure is every rank's."""
+    """Every rank calls this: returns once every rank's save in flight is complete (rank 0's, and under
+    strategy=fsdp each rank's shards); any rank's failure is every rank's."""
     if background is not None:
-        on_rank_0(background.wait)
+        every_rank(background.wait)
 
 
-def _write(run_dir: Path, step: int, model: torch.nn.Module | HostWeights, train_state: dict[str, Any], keep: int,
-           model_files: Callable[[Path], None] | None, also_keep: int | None) -> None:
+def _write(run_dir: Path, step: int, model: torch.nn.Module | HostWeights | None, train_state: dict[str, Any] | None,
+           keep: int, model_files: Callable[[Path], None] | None, also_keep: int | None,
+           moments: dict[str, Any] | None = None) -> None:
     """Rank 0's part of save: the files, made complete at once, then the retention. `model`: the module, or
-    its weights copied to host memory (launcher/train/background_save.py)."""
+    its weights copied to host memory (launcher/train/background_save.py). With `moments` (strategy=fsdp) every
+    rank enters: each writes its shards, and the others' part ends there (`model` None)."""
     root = run_dir / "checkpoints"
     tmp, final = root / f".tmp-{step}", root / str(step)
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    if model is not None:  # (DCP's collectives hold the other ranks' writes until rank 0 is in them: after this)
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    shard_sums = ({} if moments is None
+                  else sharded_checkpoint.write(tmp / sharded_checkpoint.SHARDS, moments, _sha256))
+    if model is None:
+        return
     # handles tied weights; transformers 4 loads only a file that says it holds torch tensors
     save_model(model, str(tmp / "model.safetensors"), metadata={"format": "pt"})
     if model_files:
         model_files(tmp)
     torch.save(train_state, tmp / "train_state.pt")
-    files = {p.name: _sha256(p) for p in sorted(tmp.iterdir())}
+    files = {**{p.name: _sha256(p) for p in sorted(tmp.iterdir()) if p.is_file()}, **shard_sums}
     (tmp / MARKER).write_text(json.dumps({"step": step, "sha256": files}) + "\n")
-    for item in (*tmp.iterdir(), tmp):
+    for item in (*tmp.rglob("*"), tmp):
         _fsync(item)
     shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)  # atomic: a reader sees no dir or a complete one

@@ -129,3 +129,17 @@ def on_rank_0(work: Callable[[], Any], error_type: type[Exception] = RuntimeErro
     if not done:
         raise error_type(value) from failure
     return value
+
+
+def every_rank(work: Callable[[], None],
+               describe: Callable[[Exception], str] = lambda error: str(error) or type(error).__name__) -> None:
+    """work() on every rank (each its own part of one job: a checkpoint's shards); any rank's error is every
+    rank's, the lowest rank's in one line as `describe` says it, so that no rank goes on into a collective alone."""
+    failure, said = None, None
+    try:
+        work()
+    except Exception as error:
+        failure, said = error, describe(error).splitlines()[0]
+    first = next((line for line in all_gather_objects(said) if line is not None), None)
+    if first is not None:
+        raise RuntimeError(first) from failure

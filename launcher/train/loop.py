@@ -17,7 +17,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from launcher.preempt import StopFlag, ignore_in_data_workers
 from launcher.task import Task
-from launcher.train import checkpoint, compiled, micro_batch, sharding
+from launcher.train import checkpoint, compiled, micro_batch, sharded_checkpoint, sharding
 from launcher.train.background_save import BackgroundSave, HostWeights
 from launcher.train.best import Best, write_best
 from launcher.train.compile_cache import CompileCache
@@ -253,14 +253,18 @@ def save_checkpoint(run: Run, progress: Progress, final_eval: dict[str, float] |
     # The others wait in a collective while rank 0 writes and checksums (or waits for the save before): gigabytes to
     # a shared file system can take longer than dist.timeout_s, and NCCL's watchdog would end the waiting ranks
     training_timeout(max(run.checkpoint_timeout_s, run.timeout_s))
-    # strategy=fsdp: the full tensors, gathered to rank 0's host (checkpoints are DDP's files: sharding.py)
-    weights = (HostWeights(sharding.full_weights(run.module, run.env.is_main))
-               if sharding.is_sharded(run.module) else run.module)
+    # strategy=fsdp: the full weights, gathered to rank 0's host (model.safetensors is DDP's: sharding.py), and
+    # each rank's shards of the optimizer's moments, which it writes itself (sharded_checkpoint.py)
+    sharded = sharding.is_sharded(run.module)
+    weights = HostWeights(sharding.full_weights(run.module, run.env.is_main)) if sharded else run.module
+    if sharded:
+        sharded_checkpoint.checkpoint_group(run.checkpoint_timeout_s)  # (made by every rank here, not in a thread)
     try:
         checkpoint.save(run.run_dir, progress.step, weights, train_state(run, progress, final_eval),
                         run.keep_checkpoints, run.env.device, also_keep=run.best.step, background=run.background_save,
                         model_files=write_model_files and (lambda directory: write_model_files(run.module, directory)),
-                        then=partial(write_best, run.run_dir, best))
+                        then=partial(write_best, run.run_dir, best),
+                        moments=sharded_checkpoint.moments(run.optimizer.state_dict()) if sharded else None)
         if complete:
             checkpoint.wait_for_background(run.background_save)
     finally:
@@ -269,9 +273,11 @@ def save_checkpoint(run: Run, progress: Progress, final_eval: dict[str, float] |
 
 def train_state(run: Run, progress: Progress, final_eval: dict[str, float] | None = None) -> dict[str, Any]:
     """Everything besides the weights that an exact resume needs (RNG states are added by the save)."""
+    sharded = sharding.is_sharded(run.module)  # strategy=fsdp: the moments are written in shards, beside
     return {"progress": asdict(progress), "final_eval": final_eval, "best": run.best.state(),
-            "optimizer": (sharding.full_optimizer_state(run.optimizer, run.env.is_main)  # every rank gathers
-                          if sharding.is_sharded(run.module) else run.optimizer.state_dict()),
+            "optimizer": (sharded_checkpoint.without_moments(run.optimizer.state_dict()) if sharded
+                          else run.optimizer.state_dict()),
+            "optimizer_moments": sharded_checkpoint.SHARDS if sharded else None,
             "scheduler": run.scheduler.state_dict(), "scaler": run.scaler.state_dict(),
             "config_hash": run.config_hash, "world_size": run.env.world_size, "sample_order": run.data_plan.order,
             # train.micro_batch_size=auto's size, kept by a resume (a fixed size comes from the config)

@@ -1,11 +1,13 @@
-"""strategy=fsdp: FSDP2's fully_shard on each block of the model, then the root, and the full tensors its
+"""strategy=fsdp: FSDP2's fully_shard on each block of the model, then the root, and the full weights its
 checkpoints hold.
 
 Every rank keeps 1/world of each weight, gradient and optimizer moment (Shard(0) DTensors) and all-gathers a
-block's weights while the block runs. A checkpoint holds the full tensors, in DDP's files and layout: rank 0
-gathers them (one all-gather per tensor, to host memory), and a start reads the full tensors and keeps its own
-rows. So a checkpoint resumes on any world size and on either strategy, and a transformers job's checkpoint
-stays a save_pretrained dir. Exercised by: tests/test_fsdp.py (`python -m launcher +exp=toy strategy=fsdp`).
+block's weights while the block runs. A checkpoint holds the full weights in DDP's model.safetensors: rank 0
+gathers them (one all-gather per tensor, to host memory), and a start reads them and keeps its own rows. So a
+transformers job's checkpoint stays a save_pretrained dir. The optimizer's moments are written by every rank
+in shards (launcher/train/sharded_checkpoint.py). A checkpoint resumes on any world size and on either strategy;
+a DDP checkpoint's full moments load on fsdp by shard_optimizer_state. Exercised by: tests/test_fsdp.py
+(`python -m launcher +exp=toy strategy=fsdp`).
 """
 from __future__ import annotations
 
@@ -131,7 +133,9 @@ def _full(value: Any, on_rank_0: bool) -> Any:
     if not isinstance(value, torch.Tensor):
         return value
     full = value.full_tensor() if is_dtensor(value) else value.detach()
-    return full.to("cpu") if on_rank_0 else None  # (.to: the GPU's copy; a CPU tensor stays where it is)
+    # a copy of its own: on CPU ranks full_tensor() of uneven shards is a view of a padded buffer, which
+    # safetensors refuses to write (a synchronous save writes these tensors as they are)
+    return full.to("cpu", copy=True) if on_rank_0 else None
 
 
 def full_weights(model: nn.Module, on_rank_0: bool) -> dict[str, torch.Tensor]:
@@ -144,14 +148,6 @@ def full_weights(model: nn.Module, on_rank_0: bool) -> dict[str, torch.Tensor]:
             gathered[id(tensor)] = _full(tensor, on_rank_0)
         full[name] = gathered[id(tensor)]
     return full if on_rank_0 else {}
-
-
-def full_optimizer_state(optimizer: torch.optim.Optimizer, on_rank_0: bool) -> dict[str, Any]:
-    """optimizer.state_dict() with full tensors, as DDP's optimizer would hold them (rank 0; the same keys)."""
-    saved = optimizer.state_dict()
-    state = {index: {key: _full(value, on_rank_0) for key, value in moments.items()}
-             for index, moments in saved["state"].items()}
-    return {**saved, "state": state}
 
 
 def _my_rows(full: torch.Tensor, like: Any) -> torch.Tensor:

@@ -24,7 +24,7 @@ from launcher.compat import DDP_NO_FORWARD_BUFFER_SYNC
 from launcher.derived import NODE_CONFIG, auto_precision, config_hash, differing_keys, grad_accum_steps
 from launcher.preempt import REQUEUE_EXIT_CODE, StopFlag, preemption_signals
 from launcher.process_exit import exit_without_teardown
-from launcher.train import checkpoint, micro_batch, sharding
+from launcher.train import checkpoint, micro_batch, sharded_checkpoint, sharding
 from launcher.train import dist as launcher_dist
 from launcher.train.background_save import BackgroundSave
 from launcher.train.best import Best
@@ -186,8 +186,12 @@ def restore(run: Run, state: dict[str, Any] | None, seed: int, allow_config_chan
                            f"{run.config_hash}; set resume.allow_config_change=true to resume anyway")
     # The checkpoint holds the state (moments, step counts, the schedule's position); this run's config holds the
     # settings (lr, betas, weight decay, fused...): a change that resume.allow_config_change let through applies.
-    saved = state["optimizer"]  # full tensors: strategy=fsdp keeps its rows of each (launcher/train/sharding.py)
-    if sharding.is_sharded(run.module):
+    saved = state["optimizer"]
+    if state.get("optimizer_moments"):  # strategy=fsdp wrote its moments in shards: each rank reads what it keeps
+        step_dir = run.run_dir / "checkpoints" / str(state["progress"]["step"])
+        saved = sharded_checkpoint.read(step_dir / state["optimizer_moments"], saved, run.optimizer,
+                                        run.checkpoint_timeout_s)
+    elif sharding.is_sharded(run.module):  # DDP's full tensors: strategy=fsdp keeps its rows of each (sharding.py)
         saved = sharding.shard_optimizer_state(run.optimizer, saved)
     settings = run.optimizer.state_dict()["param_groups"]
     run.optimizer.load_state_dict({**saved, "param_groups": [{**new, "params": old["params"]} for new, old

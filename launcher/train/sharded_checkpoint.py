@@ -1,0 +1,107 @@
+"""strategy=fsdp's optimizer moments in a checkpoint: every rank writes its own shards (torch.distributed.checkpoint).
+
+An fsdp checkpoint keeps the weights whole in model.safetensors, gathered by rank 0, so a transformers job's
+checkpoint stays a save_pretrained dir and either strategy loads it. The optimizer's moments go to
+<step>/optimizer/ as DCP shards. Under Adam they are twice the weights' bytes. Every rank writes its own rows in
+parallel, and no rank holds more than its own. DCP reads them back on any world size: an fsdp start gets its rows,
+a ddp start the full tensors. The shards are written inside the checkpoint's temp dir. Each rank takes the sha256
+of its own files, and rank 0 puts them in the COMPLETE marker, so they count only with the rest, renamed together.
+Exercised by: tests/test_fsdp.py (resumes on ddp, on 3 fsdp ranks, after preemption and kill -9).
+"""
+from __future__ import annotations
+
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from launcher.train.sharding import is_dtensor
+
+SHARDS = "optimizer"  # the checkpoint's folder of DCP files; train_state.pt names it ("optimizer_moments")
+_group: dist.ProcessGroup | None = None
+_mesh: Any = None
+
+
+def checkpoint_group(timeout_s: float) -> dist.ProcessGroup:
+    """The process group of DCP's collectives, made once; every rank calls this at the same point (a save or a
+    resume). It is a group of its own because a background save runs DCP in a thread beside the training's
+    collectives. It uses gloo, since DCP exchanges host objects. The timeout is a save's, since ranks wait there
+    for the slowest writer."""
+    global _group
+    if _group is None:
+        _group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+    return _group
+
+
+def moments(optimizer_state: dict[str, Any]) -> dict[str, Any]:
+    """This rank's shards of the optimizer's moments (DTensors of one dim or more), by DCP key "state/<i>/<name>"."""
+    return {f"state/{index}/{name}": value for index, values in optimizer_state["state"].items()
+            for name, value in values.items() if is_dtensor(value) and value.dim()}
+
+
+def without_moments(optimizer_state: dict[str, Any]) -> dict[str, Any]:
+    """optimizer.state_dict() less what moments() takes: step counts and param groups, for train_state.pt."""
+    state = {index: {name: value for name, value in values.items() if not (is_dtensor(value) and value.dim())}
+             for index, values in optimizer_state["state"].items()}
+    return {**optimizer_state, "state": state}
+
+
+def on_host(like: Any, local: torch.Tensor) -> Any:
+    """`local`, a host copy of the rows of the DTensor `like`, as a DTensor of the same global shape and placement
+    on a CPU mesh of the checkpoint group: what DCP plans a background write from (its rows' offsets)."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor
+
+    global _mesh
+    if _mesh is None:
+        assert _group is not None, "checkpoint_group() comes first"
+        _mesh = DeviceMesh.from_group(_group, "cpu")
+    return DTensor.from_local(local, _mesh, like.placements, run_check=False, shape=like.shape, stride=like.stride())
+
+
+def write(directory: Path, shards: dict[str, Any], digest: Callable[[Path], str]) -> dict[str, str]:
+    """Every rank: its shards into `directory` (rank 0 also DCP's .metadata); on rank 0 the sha256 of every file
+    written, by its path from the checkpoint dir ({} elsewhere)."""
+    import torch.distributed.checkpoint as dcp
+
+    group = _group
+    assert group is not None, "checkpoint_group() comes first"
+    metadata = dcp.save(shards, storage_writer=dcp.FileSystemWriter(directory), process_group=group)
+    rank = dist.get_rank(group)
+    # DCP names each rank's files __<rank>_<n>.distcp; the check below fails loudly should that ever change
+    mine = [*directory.glob(f"__{rank}_*.distcp"), *([directory / ".metadata"] if rank == 0 else [])]
+    sums = {f"{directory.name}/{path.name}": digest(path) for path in mine}
+    gathered: list[dict[str, str]] | None = [{} for _ in range(dist.get_world_size(group))] if rank == 0 else None
+    dist.gather_object(sums, gathered, dst=0, group=group)
+    if gathered is None:
+        return {}
+    every = {name: digest for part in gathered for name, digest in part.items()}
+    written = {f"{directory.name}/{info.relative_path}" for info in metadata.storage_data.values()}
+    if not written <= set(every):
+        raise RuntimeError(f"DCP wrote files no rank summed: {sorted(written - set(every))[:3]}")
+    return every
+
+
+def read(directory: Path, saved: dict[str, Any], optimizer: torch.optim.Optimizer,
+         timeout_s: float) -> dict[str, Any]:
+    """train_state.pt's optimizer state with the moments read back from `directory` (every rank): this rank's rows
+    of each where its weight is sharded, the full tensor elsewhere (strategy=ddp, any world size)."""
+    import torch.distributed.checkpoint as dcp
+
+    group = checkpoint_group(timeout_s)
+    reader = dcp.FileSystemReader(directory)
+    params = [param for group_ in optimizer.param_groups for param in group_["params"]]
+    targets = {}
+    for key, item in reader.read_metadata().state_dict_metadata.items():
+        _, index, _ = key.split("/")
+        param, dtype = params[int(index)], item.properties.dtype
+        targets[key] = (torch.empty_like(param, dtype=dtype) if is_dtensor(param)
+                        else torch.empty(item.size, dtype=dtype))
+    dcp.load(targets, storage_reader=reader, process_group=group)
+    state = {index: dict(values) for index, values in saved["state"].items()}
+    for key, tensor in targets.items():
+        _, index, name = key.split("/")
+        state.setdefault(int(index), {})[name] = tensor
+    return {**saved, "state": state}
