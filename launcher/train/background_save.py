@@ -61,6 +61,12 @@ class BackgroundSave:
                                         name=f"launcher-checkpoint-{step}")
         self._thread.start()
 
+    def finish(self) -> None:
+        """Until the save in flight is written, its error left to the next wait (a run ending with an error of its
+        own: the write needs the process groups, which the worker's exit takes down after this)."""
+        if self._thread is not None:
+            self._thread.join()
+
     def wait(self) -> None:
         """Until the save in flight is complete; its error is raised here."""
         if self._thread is not None:
@@ -75,6 +81,8 @@ class BackgroundSave:
                weights: HostWeights | None, state: dict[str, Any] | None, shards: dict[str, Any] | None,
                ready: torch.cuda.Event | None) -> None:
         try:
+            if self.device.type == "cuda":  # a new thread's current device is GPU 0, whatever the rank's
+                torch.cuda.set_device(self.device)
             if ready is not None:
                 ready.synchronize()
             write(weights, state, shards)

@@ -99,11 +99,11 @@ def save(run_dir: Path, step: int, model: torch.nn.Module, train_state: dict[str
                            else background.start(step, model, state, write)), describe=describe)
         return final
     wait_for_background(background)  # every rank's part of the save before: rank 0's error is every rank's
+    # rank 0 makes the temp dir before any rank starts: DCP makes its folder in there on every rank
+    on_rank_0(lambda: _fresh(run_dir / "checkpoints" / f".tmp-{step}"), describe=describe)
     mine = (model, state) if is_main else (None, None)  # the other ranks write their shards only
-    if background is None:
-        every_rank(lambda: write(*mine, moments), describe=describe)
-    else:
-        background.start(step, *mine, write, moments)
+    every_rank(lambda: write(*mine, moments) if background is None else background.start(step, *mine, write, moments),
+               describe=describe)
     return final
 
 
@@ -122,11 +122,11 @@ def _write(run_dir: Path, step: int, model: torch.nn.Module | HostWeights | None
     rank enters: each writes its shards, and the others' part ends there (`model` None)."""
     root = run_dir / "checkpoints"
     tmp, final = root / f".tmp-{step}", root / str(step)
-    if model is not None:  # (DCP's collectives hold the other ranks' writes until rank 0 is in them: after this)
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    shard_sums = ({} if moments is None
-                  else sharded_checkpoint.write(tmp / sharded_checkpoint.SHARDS, moments, _sha256))
+    if moments is None:
+        _fresh(tmp)
+        shard_sums = {}
+    else:  # (save made the temp dir); each rank sums its own files, rank 0 gets them all
+        shard_sums = sharded_checkpoint.write(tmp / sharded_checkpoint.SHARDS, moments, _sha256)
     if model is None:
         return
     # handles tied weights; transformers 4 loads only a file that says it holds torch tensors
@@ -134,7 +134,8 @@ def _write(run_dir: Path, step: int, model: torch.nn.Module | HostWeights | None
     if model_files:
         model_files(tmp)
     torch.save(train_state, tmp / "train_state.pt")
-    files = {**{p.name: _sha256(p) for p in sorted(tmp.iterdir()) if p.is_file()}, **shard_sums}
+    files = {**{str(p.relative_to(tmp)): _sha256(p) for p in sorted(tmp.rglob("*"))
+                if p.is_file() and p.relative_to(tmp).parts[0] != sharded_checkpoint.SHARDS}, **shard_sums}
     (tmp / MARKER).write_text(json.dumps({"step": step, "sha256": files}) + "\n")
     for item in (*tmp.rglob("*"), tmp):
         _fsync(item)
@@ -145,6 +146,12 @@ def _write(run_dir: Path, step: int, model: torch.nn.Module | HostWeights | None
         if old not in (also_keep, step):  # marker first: a dir half deleted (NFS keeps files in use) is none
             (root / str(old) / MARKER).unlink(missing_ok=True)  # (a resume deletes what is left): the save stands
             shutil.rmtree(root / str(old), ignore_errors=True)
+
+
+def _fresh(tmp: Path) -> None:
+    """An empty temp dir for a save (a killed save's is removed)."""
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
 
 
 def _verify(step_dir: Path) -> None:

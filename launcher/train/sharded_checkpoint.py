@@ -68,16 +68,26 @@ def write(directory: Path, shards: dict[str, Any], digest: Callable[[Path], str]
 
     group = _group
     assert group is not None, "checkpoint_group() comes first"
-    metadata = dcp.save(shards, storage_writer=dcp.FileSystemWriter(directory), process_group=group)
+    # per_thread_copy_ahead=0: DCP's serial loader. Its default, on a CUDA machine, syncs the current CUDA stream,
+    # which in a writer thread is GPU 0's, whatever the rank's (a context there for every rank of the node)
+    writer = dcp.FileSystemWriter(directory, per_thread_copy_ahead=0)
+    metadata = dcp.save(shards, storage_writer=writer, process_group=group)  # (an error here is every rank's)
     rank = dist.get_rank(group)
-    # DCP names each rank's files __<rank>_<n>.distcp; the check below fails loudly should that ever change
-    mine = [*directory.glob(f"__{rank}_*.distcp"), *([directory / ".metadata"] if rank == 0 else [])]
-    sums = {f"{directory.name}/{path.name}": digest(path) for path in mine}
-    gathered: list[dict[str, str]] | None = [{} for _ in range(dist.get_world_size(group))] if rank == 0 else None
-    dist.gather_object(sums, gathered, dst=0, group=group)
+    try:  # DCP names each rank's files __<rank>_<n>.distcp; the check below fails loudly should that ever change
+        mine = [*directory.glob(f"__{rank}_*.distcp"), *([directory / ".metadata"] if rank == 0 else [])]
+        sums, failed = {f"{directory.name}/{path.name}": digest(path) for path in mine}, None
+    except Exception as error:  # still into the gather below: rank 0 waits there for every rank
+        sums, failed = {}, f"rank {rank} could not sum its shards: {type(error).__name__}: {error}"
+    gathered: list[Any] | None = [None] * dist.get_world_size(group) if rank == 0 else None
+    dist.gather_object((sums, failed), gathered, dst=0, group=group)
+    if failed is not None:
+        raise RuntimeError(failed)
     if gathered is None:
         return {}
-    every = {name: digest for part in gathered for name, digest in part.items()}
+    first = next((said for _, said in gathered if said is not None), None)
+    if first is not None:
+        raise RuntimeError(first)
+    every = {name: digest for part, _ in gathered for name, digest in part.items()}
     written = {f"{directory.name}/{info.relative_path}" for info in metadata.storage_data.values()}
     if not written <= set(every):
         raise RuntimeError(f"DCP wrote files no rank summed: {sorted(written - set(every))[:3]}")

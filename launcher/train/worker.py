@@ -270,6 +270,9 @@ def build_and_train(cfg: DictConfig, path: Path, env: launcher_dist.DistEnv, sto
             summary = train(run, progress, stop, state and state.get("final_eval"))
         except torch.OutOfMemoryError as error:  # where a step cannot be redone: report, and exit for a restart
             micro_batch.exit_out_of_memory(run, error)
+        finally:  # a run that ends in an error still writes its save in flight, before the exit takes down the
+            if run.background_save is not None:  # process groups that strategy=fsdp's writers use
+                run.background_save.finish()
     run.watchdog.close()  # done or preempted: what comes now (shutdown) is no hang of the loop
     run.profiler.close()  # a preemption inside train.profile's steps keeps what was recorded
     run.log.close()
