@@ -98,7 +98,7 @@ def save(run_dir: Path, step: int, model: torch.nn.Module, train_state: dict[str
         on_rank_0(lambda: (write(model, state, None) if background is None
                            else background.start(step, model, state, write)), describe=describe)
         return final
-    wait_for_background(background)  # every rank's part of the save before: rank 0's error is every rank's
+    wait_for_background(background)  # every rank's part of the save before: any rank's error is every rank's
     # rank 0 makes the temp dir before any rank starts: DCP makes its folder in there on every rank
     on_rank_0(lambda: _fresh(run_dir / "checkpoints" / f".tmp-{step}"), describe=describe)
     mine = (model, state) if is_main else (None, None)  # the other ranks write their shards only

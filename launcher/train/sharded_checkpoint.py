@@ -87,7 +87,7 @@ def write(directory: Path, shards: dict[str, Any], digest: Callable[[Path], str]
     first = next((said for _, said in gathered if said is not None), None)
     if first is not None:
         raise RuntimeError(first)
-    every = {name: digest for part, _ in gathered for name, digest in part.items()}
+    every = {name: sha for part, _ in gathered for name, sha in part.items()}
     written = {f"{directory.name}/{info.relative_path}" for info in metadata.storage_data.values()}
     if not written <= set(every):
         raise RuntimeError(f"DCP wrote files no rank summed: {sorted(written - set(every))[:3]}")
