@@ -35,15 +35,20 @@ def checkpoint_group(timeout_s: float) -> dist.ProcessGroup:
     return _group
 
 
+def _is_moment(value: Any) -> bool:
+    """A sharded moment: a DTensor of one dim or more (step counts are plain scalars)."""
+    return is_dtensor(value) and value.dim() > 0
+
+
 def moments(optimizer_state: dict[str, Any]) -> dict[str, Any]:
-    """This rank's shards of the optimizer's moments (DTensors of one dim or more), by DCP key "state/<i>/<name>"."""
+    """This rank's shards of the optimizer's moments, by DCP key "state/<i>/<name>"."""
     return {f"state/{index}/{name}": value for index, values in optimizer_state["state"].items()
-            for name, value in values.items() if is_dtensor(value) and value.dim()}
+            for name, value in values.items() if _is_moment(value)}
 
 
 def without_moments(optimizer_state: dict[str, Any]) -> dict[str, Any]:
     """optimizer.state_dict() less what moments() takes: step counts and param groups, for train_state.pt."""
-    state = {index: {name: value for name, value in values.items() if not (is_dtensor(value) and value.dim())}
+    state = {index: {name: value for name, value in values.items() if not _is_moment(value)}
              for index, values in optimizer_state["state"].items()}
     return {**optimizer_state, "state": state}
 
