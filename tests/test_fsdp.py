@@ -205,13 +205,12 @@ def test_fsdp_on_this_torch_trains_or_is_refused_in_one_line(tmp_path: Path) -> 
 
 
 @pytest.mark.parametrize("overrides,message", [
-    (("strategy=fsdp", "train.micro_batch_size=auto"), "train.micro_batch_size=auto redoes a step"),
     (("strategy=fsdp", "train.compile=true", "train.compile_ddp_split=false"), "is DDP's graph split"),
     (("strategy=fsdp", "train.compile=true", "train.global_batch_size=32", "train.micro_batch_size=16",
       "train.compile_mode=reduce-overhead"), "captures CUDA graphs, which FSDP2's gathers between the blocks break"),
     (("strategy=fsdp", "dist.comm_hook=fp16"), "dist.comm_hook=fp16 is DDP's and has no effect with strategy=fsdp"),
     (("strategy.block=BertLayer",), "strategy.block=BertLayer has no effect with strategy=ddp"),
-], ids=["auto-micro-batch", "ddp-split", "cuda-graphs", "comm-hook", "ddp-block"])
+], ids=["ddp-split", "cuda-graphs", "comm-hook", "ddp-block"])
 def test_what_fsdp_cannot_do_is_refused_in_the_parent(overrides: tuple[str, ...], message: str) -> None:
     cfg = compose_config("+exp=toy", *overrides)
     with pytest.raises(ConfigError, match=message):

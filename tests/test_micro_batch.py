@@ -16,8 +16,10 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import assert_same_float64_weights, read_metrics, run_cli
+from helpers import assert_params_close
 from launcher.rundir import complete_steps
 from launcher.train.micro_batch import MICRO_BATCH_FILE, OUT_OF_MEMORY_EXIT_CODE, halved, sizes_to_try
+from launcher.train.sharded_micro_batch import first_to_try
 
 pytestmark = pytest.mark.slow
 STEPS = 12
@@ -64,6 +66,20 @@ def test_sizes_tried_are_divisors_of_the_rank_share() -> None:
     assert sizes_to_try(24, 8) == [8, 6, 4, 3, 2, 1]
     assert sizes_to_try(16, 100) == [16, 8, 4, 2, 1]
     assert (halved(16, 8), halved(24, 6), halved(12, 3), halved(16, 1)) == (4, 3, 1, None)
+
+
+def test_fsdp_s_first_size_to_try_is_on_the_line_through_two_small_trials() -> None:
+    """On a GPU, strategy=fsdp's probe starts at the largest size whose extrapolated peak, plus what only training
+    holds (moments, and the unsharded gradients kept between accumulated micro-batches), fits."""
+    sizes, peaks = [12, 6, 4, 3, 2, 1], {1: 1000, 2: 1200}  # 200 bytes a sample over a fixed 800
+    accumulating = lambda size: 300 if 12 // size > 1 else 0  # noqa: E731
+    assert first_to_try(sizes, peaks, lambda size: 0, usable=3200) == 12  # 800 + 12 x 200
+    assert first_to_try(sizes, peaks, lambda size: 0, usable=3199) == 6
+    assert first_to_try(sizes, peaks, accumulating, usable=3200) == 12  # one micro-batch a step holds no extra
+    assert first_to_try(sizes, peaks, lambda size: 0, usable=2200) == 6
+    assert first_to_try(sizes, peaks, accumulating, usable=2200) == 4  # 6: 2000 + 300 held between micro-batches
+    assert first_to_try(sizes, {1: 1000, 2: 900}, lambda size: 0, usable=1000) == 12  # a peak that does not grow
+    assert first_to_try(sizes, peaks, lambda size: 0, usable=500) == 1  # none: the smallest, whose trial says so
 
 
 def test_probe_takes_the_largest_size_that_fits_on_every_rank(tmp_path: Path, fixed) -> None:
@@ -189,6 +205,37 @@ def test_out_of_memory_inside_the_all_reduce_exits_and_the_next_start_halves(tmp
     assert per_step(run_dir, "micro_batch_size") == [8] * 8 + [4] * (STEPS - 8)
     assert samples(run_dir) == samples(reference)
     assert_same_float64_weights(run_dir, reference, STEPS)
+
+
+def test_under_fsdp_running_out_exits_and_the_next_start_halves(tmp_path: Path, fixed) -> None:
+    """strategy=fsdp redoes no trial and no step in-process: FSDP2's forward and backward gather weights from
+    every rank, and a rank that stopped in one would leave the others in the gather. So running out of memory
+    anywhere exits with OUT_OF_MEMORY_EXIT_CODE, and the next start halves.
+    In the probe: rank 1 cannot hold 8, so the trial every rank runs at 8 ends the run; the same command again
+    trains at 4. Mid-run: rank 1 runs out at step 5, torchrun restarts (launcher.max_restarts=1), and the run
+    resumes from step 4 at 4. Both end as DDP's runs that never ran out (float64, rtol 1e-9)."""
+    fsdp = ("strategy=fsdp", *AUTO)
+    in_probe, cannot = tmp_path / "probe", "with micro-batch 8, which strategy=fsdp cannot redo"
+    oom = (*fsdp, "data.oom_rank=1", "data.oom_max_items=4")
+    log = launch(in_probe, *oom, expect=OUT_OF_MEMORY_EXIT_CODE)
+    error = [line for line in log.splitlines() if line.startswith("error: rank 1 failed")]
+    assert len(error) == 1 and "rank 1 ran out of memory in the micro-batch probe (CPU memory; test: more than 4 " \
+        f"samples (jobs/toy.py)) {cannot}" in error[0] and "the next start resumes from the last checkpoint with " \
+        f"micro-batch 4: relaunch with hydra.run.dir={in_probe}" in error[0], log[-3000:]
+    log = launch(in_probe, *oom)  # the same command again
+    assert "micro-batch 4, accumulation 4 (train.micro_batch_size=auto: kept from micro_batch.json: rank 1 ran out " \
+           f"of memory in the micro-batch probe {cannot}" in log
+    assert per_step(in_probe, "micro_batch_size") == [4] * STEPS
+    assert_params_close(weights(in_probe), weights(fixed[4]), rtol=1e-9)
+
+    mid_run = tmp_path / "mid-run"
+    log = launch(mid_run, *fsdp, *RANK1_HOLDS_4_FROM_STEP_5, "launcher.max_restarts=1")
+    assert "micro-batch 8, accumulation 2 (train.micro_batch_size=auto: tried 8 fits on every rank" in log
+    assert "resumed from step 4" in log and f"kept from {MICRO_BATCH_FILE}: rank 1 ran out of memory in step 5 " \
+                                            f"{cannot}" in log
+    assert per_step(mid_run, "micro_batch_size") == [8] * 4 + [4] * (STEPS - 4)
+    assert samples(mid_run) == samples(fixed[8])
+    assert_params_close(weights(mid_run), weights(fixed[8]), rtol=1e-9)
 
 
 def test_out_of_memory_in_eval_exits_and_the_relaunch_evaluates_in_halves(tmp_path: Path, fixed) -> None:

@@ -1,6 +1,6 @@
 """strategy=ddp / strategy=fsdp checked in the parent: the keys of the other strategy, and what fsdp cannot do.
 
-Exercised by: tests/test_fsdp.py (`python -m launcher +exp=toy strategy=fsdp train.micro_batch_size=auto`: refused).
+Exercised by: tests/test_fsdp.py (`python -m launcher +exp=toy strategy=fsdp dist.comm_hook=fp16`: refused).
 """
 from __future__ import annotations
 
@@ -30,9 +30,6 @@ def check_strategy(cfg: DictConfig, device_type: str, compiles: bool) -> None:
         raise ConfigError(f"strategy=fsdp on CPU workers needs torch 2.7 or newer (FSDP2 records events on the CPU's "
                           f"stream, pytorch#145935), and this is torch {torch.__version__}: upgrade torch, or use "
                           f"strategy=ddp")
-    if cfg.train.micro_batch_size == "auto":  # a rank that runs out mid-forward would leave the others in a gather
-        raise ConfigError("train.micro_batch_size=auto redoes a step after running out of memory, which strategy=fsdp "
-                          "cannot (its forwards enter collectives); set a fixed train.micro_batch_size")
     if compiles and cfg.train.compile_ddp_split is not None:
         raise ConfigError(f"train.compile_ddp_split={cfg.train.compile_ddp_split} is DDP's graph split; strategy=fsdp "
                           f"compiles each block: drop it, or use strategy=ddp")

@@ -123,7 +123,8 @@ def train(run: Run, progress: Progress, stop: StopFlag, final_eval: dict[str, fl
         ckpt_now = run.ckpt_every and step % run.ckpt_every == 0 and step != run.max_steps
         steady = run.sync_check.steady(step, resumed_from, busy=log_now or eval_now or ckpt_now)
         with run.sync_check.watching(step, run.log.warn) if steady else nullcontext():  # train.sync_check
-            run.out_of_memory.remember(run.module)  # auto: what a dropped attempt of this step gives back
+            if run.out_of_memory.redoes:  # auto under DDP: what a dropped attempt of this step gives back
+                run.out_of_memory.remember(run.module)
             if run.compile_watch.cuda_graphs:  # a new step: CUDA-graph outputs of the last one may be reused
                 torch.compiler.cudagraph_mark_step_begin()
             with run.profiler.step(step):

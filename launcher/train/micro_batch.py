@@ -8,7 +8,6 @@ change between steps and the trajectory stays the same. Exercised by: tests/test
 """
 from __future__ import annotations
 
-import gc
 import json
 import os
 import sys
@@ -22,17 +21,19 @@ from torch.distributed.elastic.multiprocessing.errors.handlers import get_error_
 
 from launcher.preempt import OUT_OF_MEMORY_EXIT_CODE
 from launcher.rundir import write_atomically
-from launcher.task import Task, to_device
+from launcher.task import to_device
 from launcher.train.dist import all_gather_objects, on_rank_0
+from launcher.train.memory_trial import forward_backward, free_memory, memory_report, usable_bytes
+from launcher.train.sharded_micro_batch import probe_in_step
 from launcher.train.sync_check import host_side
 
 if TYPE_CHECKING:
     from launcher.train.loop import Run
 
 MICRO_BATCH_FILE = "micro_batch.json"  # the auto size in force: a restart or a resume goes on with it
-HEADROOM = 0.10  # the probe leaves this share of the GPU free: fragmentation, longer batches, NCCL buffers
 SMALLER = ("use a smaller model, shorter inputs (data.max_length for text), a lower precision, or for the BERT jobs "
            "model.activation_checkpointing=true")
+PROBE = "micro-batch probe"  # the watchdog's phase while the trials run
 
 
 def sizes_to_try(share: int, bound: int) -> list[int]:
@@ -46,21 +47,6 @@ def halved(share: int, size: int) -> int | None:
     return smaller[0] if smaller else None
 
 
-def memory_report(device: torch.device) -> str:
-    """What this rank had, for the line that ends a run: the GPU's size and what this process holds."""
-    if device.type != "cuda":
-        return "CPU memory"
-    free, total = torch.cuda.mem_get_info(device)
-    return (f"{torch.cuda.get_device_name(device)}, {total / 2**30:.1f} GiB: {free / 2**30:.1f} GiB free, "
-            f"{torch.cuda.memory_allocated(device) / 2**30:.1f} GiB held by this rank")
-
-
-def free_memory(device: torch.device) -> None:
-    gc.collect()  # an out-of-memory traceback's frames may still hold the step's activations
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-
-
 class OutOfMemoryAgreement:
     """Whether any rank ran out of memory in this step, agreed before the step's gradient all-reduce, and
     what a dropped attempt must give back besides its gradients.
@@ -68,18 +54,20 @@ class OutOfMemoryAgreement:
     On the host, over gloo: the flag is a Python bool the moment the allocator fails, so agreeing on it
     never waits for the GPU (a CUDA plan gets a small gloo group for it, with the same timeouts as the
     main group: a rank stuck before the agreement fails the run after dist.timeout_s, as in the all-reduce).
-    Off, and no collective at all, unless train.micro_batch_size=auto: a fixed size is the user's to change.
+    Off, and no collective at all, unless train.micro_batch_size=auto: a fixed size is the user's to change;
+    and under strategy=fsdp (`redoes` false), whose forward and backward enter collectives: there running out
+    of memory ends the run for a start with half the size (exit_out_of_memory).
     """
 
-    def __init__(self, enabled: bool, device: torch.device, timeout_s: float):
-        self.enabled, self.device, self.ran_out_here = enabled, device, False
+    def __init__(self, enabled: bool, device: torch.device, timeout_s: float, redoes: bool = True):
+        self.enabled, self.redoes, self.device, self.ran_out_here = enabled, enabled and redoes, device, False
         self.group = (dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
-                      if enabled and device.type == "cuda" else None)
+                      if self.redoes and device.type == "cuda" else None)
         self.saved: tuple[torch.Tensor, torch.Tensor | None, list[torch.Tensor]] | None = None
 
     def any_rank_ran_out(self, ran_out: bool) -> bool:
-        """Every rank, once per step (auto only); who_ran_out() then reads this rank's answer."""
-        if not self.enabled:
+        """Every rank, once per step (auto under DDP only); who_ran_out() then reads this rank's answer."""
+        if not self.redoes:
             return False
         self.ran_out_here = ran_out
         flag = torch.tensor([int(ran_out)])
@@ -110,36 +98,22 @@ class OutOfMemoryAgreement:
                 buffer.copy_(saved)
 
 
-def largest_batch(task: Task, size: int) -> dict[str, Any]:
-    """`size` samples as large as the job's batches get: the job's own largest_batch (the longest
-    sequences, for text), else the first samples (jobs whose samples all have one size)."""
-    if hasattr(task, "largest_batch"):
-        return task.largest_batch(size)
-    return task.collate([task.train_set[i] for i in range(min(size, len(task.train_set)))])
-
-
 def trial(run: Run, size: int, state_bytes: int) -> str | None:
     """Forward and backward of the largest batch of `size` outside DDP's sync (no collective, so running
     out interrupts no other rank): None when it fits with HEADROOM to spare, else why not."""
     device = run.env.device
-    free_memory(device)
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-        usable = (1 - HEADROOM) * (torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_reserved(device))
+    usable = usable_bytes(device) if device.type == "cuda" else 0.0
     try:
-        batch = to_device(largest_batch(run.task, size), device)
-        with run.model.no_sync(), run.precision.autocast():
-            loss = run.task.loss_sum(run.model, batch)
-        loss.backward()
-        failed = None
+        peak = forward_backward(run, size, gradient_sync=False)
     except torch.OutOfMemoryError:
-        failed = "out of memory"
-    batch = loss = None  # noqa: F841  (the activations and the graph go before the next trial)
-    run.optimizer.zero_grad(set_to_none=True)
-    free_memory(device)
-    if failed or device.type != "cuda":
-        return failed
-    peak = torch.cuda.max_memory_allocated(device) + state_bytes
+        peak = -1
+    if peak == -1:  # (outside the except block: its traceback, and the activations it holds, are gone)
+        run.optimizer.zero_grad(set_to_none=True)
+        free_memory(device)
+        return "out of memory"
+    if peak is None:
+        return None
+    peak += state_bytes
     return None if peak <= usable else f"needs {peak / 2**30:.1f} GiB of {usable / 2**30:.1f} GiB usable"
 
 
@@ -195,19 +169,26 @@ def choose(run: Run, max_size: int | None, from_checkpoint: int | None) -> None:
             record=False)
         return
     run.out_of_memory.remember(run.module)  # the trials' forwards may not change what step 1 starts from
-    size, tried = probe(run, sizes_to_try(share, min([bound, *kept.values()])))
+    sizes = sizes_to_try(share, min([bound, *kept.values()]))
+    # Either way the trials end in collectives: every rank has read the record before rank 0 writes it
+    agreed, why = agree_on_probes(run, sizes) if run.out_of_memory.redoes else probe_in_step(run, sizes, SMALLER)
     run.out_of_memory.rewind(run.module)
-    # A collective: every rank has read the record before rank 0 writes it
+    where = "" if run.env.device.type == "cuda" else (
+        "; on a CPU running out of memory is not caught (the OS kills the process), so the largest size that "
+        "runs is taken")
+    use(run, agreed, why + where)
+
+
+def agree_on_probes(run: Run, sizes: list[int]) -> tuple[int, str]:
+    """DDP: each rank probes alone (no collective in a trial), then all take the smallest size any found."""
+    size, tried = probe(run, sizes)
     found = all_gather_objects((size, tried, memory_report(run.env.device) if not size else None))
     agreed = min(size for size, _, _ in found)
     if not agreed:
         rank, (_, tried, report) = next((r, f) for r, f in enumerate(found) if not f[0])
         raise RuntimeError(f"train.micro_batch_size=auto: rank {rank} cannot fit even micro-batch 1 of the "
                            f"job's largest batch ({report}); {SMALLER}")
-    where = "" if run.env.device.type == "cuda" else (
-        "; on a CPU running out of memory is not caught (the OS kills the process), so the largest size that "
-        "runs is taken")
-    use(run, agreed, "tried " + "; ".join(f"rank {r}: {', '.join(t)}" for r, (_, t, _) in enumerate(found)) + where)
+    return agreed, "tried " + "; ".join(f"rank {r}: {', '.join(t)}" for r, (_, t, _) in enumerate(found))
 
 
 def shrink(run: Run, step: int) -> None:
@@ -246,17 +227,22 @@ def drop_step(run: Run, step: int) -> None:
 
 def exit_out_of_memory(run: Run, error: torch.OutOfMemoryError) -> NoReturn:
     """Out of memory where the step cannot be redone: in or after its gradient all-reduce (the other ranks
-    wait in a collective this rank will not finish), in eval or in a checkpoint. With auto, the next start
-    (torchrun's restart with launcher.max_restarts, or a relaunch) resumes from the last checkpoint with half
-    the micro-batch, and the exit code says so (OUT_OF_MEMORY_EXIT_CODE); a fixed size exits with 1 (the
-    same size would run out again). Exits at once: a clean shutdown could wait as long as the peers do."""
+    wait in a collective this rank will not finish), anywhere in a step or trial of strategy=fsdp, in eval or
+    in a checkpoint. With auto, the next start (torchrun's restart with launcher.max_restarts, or a relaunch)
+    resumes from the last checkpoint with half the micro-batch, and the exit code says so
+    (OUT_OF_MEMORY_EXIT_CODE); a fixed size exits with 1 (the same size would run out again). Exits once a save
+    in flight is written (the next start resumes from it), without a clean shutdown: that could wait as long as
+    the peers do."""
     phase, step = run.watchdog.phase, run.watchdog.step  # where the loop was: train, log, eval, checkpoint
-    auto = run.out_of_memory.enabled
-    place = (f"in {phase} after step {step}" if phase != "train" else  # auto redoes what comes before the all-reduce
-             f"in or after the gradient all-reduce of step {step}" if auto else f"in step {step}")
+    auto, redoes = run.out_of_memory.enabled, run.out_of_memory.redoes
+    place = ("in the micro-batch probe" if phase == PROBE else
+             f"in {phase} after step {step}" if not phase.startswith("train") else
+             f"in or after the gradient all-reduce of step {step}" if redoes else f"in step {step}")
     where = (f"rank {run.env.rank} ran out of memory {place} ({memory_report(run.env.device)}; "
              f"{str(error).splitlines()[0][:200]})")
     smaller = halved(share_of(run), run.micro_batch_size) if auto else None
+    cannot = "where a step cannot be redone" if redoes or not phase.startswith(("train", PROBE)) else (
+        "which strategy=fsdp cannot redo (every rank's forward and backward gather weights from the others)")
     if not auto:
         message = (f"{where} with train.micro_batch_size={run.micro_batch_size}; set train.micro_batch_size=auto "
                    f"(the largest size that fits, halved after running out) or a smaller size")
@@ -264,15 +250,17 @@ def exit_out_of_memory(run: Run, error: torch.OutOfMemoryError) -> NoReturn:
         message = f"train.micro_batch_size=auto: {where} even with micro-batch 1; {SMALLER}"
     else:
         write_record(run.run_dir, smaller, f"rank {run.env.rank} ran out of memory {place} with micro-batch "
-                                           f"{run.micro_batch_size}, where a step cannot be redone")
+                                           f"{run.micro_batch_size}, {cannot}")
         restarts_left = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", 0)) - int(
             os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
-        message = (f"{where} with micro-batch {run.micro_batch_size}, where a step cannot be redone; the next start "
+        message = (f"{where} with micro-batch {run.micro_batch_size}, {cannot}; the next start "
                    f"resumes from the last checkpoint with micro-batch {smaller}" +
                    (" (torchrun restarts now)" if restarts_left > 0 else
                     f": relaunch with hydra.run.dir={run.run_dir} (a launcher=slurm job requeues itself), or set "
                     f"launcher.max_restarts>=1"))
     get_error_handler().record_exception(RuntimeError(message))  # the launcher's error line reads it
+    if run.background_save is not None:  # the checkpoint in flight may be the one the next start resumes from
+        run.background_save.finish()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(OUT_OF_MEMORY_EXIT_CODE if smaller else 1)

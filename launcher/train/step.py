@@ -50,7 +50,7 @@ def train_step(model: DDP | torch.nn.Module, task: Task, window: Window, optimiz
     try:
         last_loss, loss_sum = forward_until_sync(model, task, window.micro_batches, weights, scale, scaler, precision)
     except torch.OutOfMemoryError:
-        if not out_of_memory.enabled:
+        if not out_of_memory.redoes:  # a fixed size, or strategy=fsdp: the worker exits (micro_batch.exit_out_of_memory)
             raise
         last_loss = None  # the traceback, and the activations its frames hold, go with this block
     timer.stop()  # the last backward waits for every rank's gradients

@@ -71,7 +71,7 @@ def build(cfg: DictConfig, run_dir: Path, env: launcher_dist.DistEnv) -> Run:
     compile_cache = CompileCache(run_dir, env.local_rank, env.device, train_cfg.compile and train_cfg.compile_cache)
     compile_cache.load(lambda message: print(message, file=sys.stderr, flush=True))  # before anything compiles
     compiling = train_cfg.compile and not compile_turned_off(cfg, env)
-    if cfg.strategy.name == "fsdp":  # (the parent lets no DDP key, graph split or micro-batch probe through)
+    if cfg.strategy.name == "fsdp":  # (the parent lets no DDP key or graph split through)
         compile_block = (lambda block: block.compile(mode=train_cfg.compile_mode, dynamic=train_cfg.compile_dynamic,
                                                      fullgraph=train_cfg.compile_fullgraph)) if compiling else None
         sharded = sharding.shard(model, cfg.strategy.reshard_after_forward, cfg.strategy.block, precision, env.device,
@@ -103,7 +103,8 @@ def build(cfg: DictConfig, run_dir: Path, env: launcher_dist.DistEnv) -> Run:
                                                                 train_cfg.micro_batch_size, env.world_size),
               micro_batch_size=0 if auto else train_cfg.micro_batch_size,
               out_of_memory=micro_batch.OutOfMemoryAgreement(
-                  auto, env.device, launcher_dist.startup_timeout_s(cfg.dist.startup_timeout_s, cfg.dist.timeout_s)),
+                  auto, env.device, launcher_dist.startup_timeout_s(cfg.dist.startup_timeout_s, cfg.dist.timeout_s),
+                  redoes=cfg.strategy.name != "fsdp"),  # fsdp's forward and backward enter collectives: no step is redone
               max_steps=train_cfg.max_steps,
               max_grad_norm=train_cfg.max_grad_norm, timeout_s=cfg.dist.timeout_s,
               checkpoint_timeout_s=cfg.dist.checkpoint_timeout_s, log_every=train_cfg.log_every,
@@ -257,18 +258,18 @@ def build_and_train(cfg: DictConfig, path: Path, env: launcher_dist.DistEnv, sto
     progress = restore(run, state, cfg.train.seed, cfg.resume.allow_config_change)
     run.log.start_at(progress.step, run.max_steps)
     with failures_in_one_line(run.compile_watch.enabled, cfg.train.compile_fullgraph):  # the probe compiles first
-        if run.out_of_memory.enabled:  # micro_batch_size=auto: the model, and any resumed optimizer state, are in place
-            run.watchdog.at("micro-batch probe", progress.step)
-            phase(path.parent, env.is_main, "train.micro_batch_size=auto: finding the largest that fits")
-            micro_batch.choose(run, cfg.train.max_micro_batch_size, state and state.get("micro_batch_size"))
-        run.log.info(f"world size {env.world_size} | grad accum "  # (the launcher's first line names the run dir)
-                     f"{run.grad_accum_steps} | precision {run.precision.name} | "
-                     f"{'compiled' if run.compile_watch.enabled else 'eager'} | {cfg.strategy.name} | config {hashes[0]}")
-        phase(path.parent, env.is_main, "first step, compiling the model (minutes for a large one)"
-              if run.compile_watch.enabled else "first step")
         try:
+            if run.out_of_memory.enabled:  # micro_batch_size=auto: the model, and any resumed optimizer state, are in place
+                run.watchdog.at(micro_batch.PROBE, progress.step)
+                phase(path.parent, env.is_main, "train.micro_batch_size=auto: finding the largest that fits")
+                micro_batch.choose(run, cfg.train.max_micro_batch_size, state and state.get("micro_batch_size"))
+            run.log.info(f"world size {env.world_size} | grad accum "  # (the launcher's first line names the run dir)
+                         f"{run.grad_accum_steps} | precision {run.precision.name} | "
+                         f"{'compiled' if run.compile_watch.enabled else 'eager'} | {cfg.strategy.name} | config {hashes[0]}")
+            phase(path.parent, env.is_main, "first step, compiling the model (minutes for a large one)"
+                  if run.compile_watch.enabled else "first step")
             summary = train(run, progress, stop, state and state.get("final_eval"))
-        except torch.OutOfMemoryError as error:  # where a step cannot be redone: report, and exit for a restart
+        except torch.OutOfMemoryError as error:  # where a step (or an fsdp trial) cannot be redone: exit for a restart
             micro_batch.exit_out_of_memory(run, error)
         finally:  # a run that ends in an error still writes its save in flight, before the exit takes down the
             if run.background_save is not None:  # process groups that strategy=fsdp's writers use

@@ -1,0 +1,65 @@
+"""One forward and backward of the job's largest batch of a size, and the GPU memory it took: the trials of
+train.micro_batch_size=auto (launcher/train/micro_batch.py; sharded_micro_batch.py for strategy=fsdp)."""
+from __future__ import annotations
+
+import gc
+from contextlib import nullcontext
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from launcher.task import Task, to_device
+from launcher.train import sharding
+
+if TYPE_CHECKING:
+    from launcher.train.loop import Run
+
+HEADROOM = 0.10  # a trial leaves this share of the GPU free: fragmentation, longer batches, NCCL buffers
+
+
+def memory_report(device: torch.device) -> str:
+    """What this rank had, for the line that ends a run: the GPU's size and what this process holds."""
+    if device.type != "cuda":
+        return "CPU memory"
+    free, total = torch.cuda.mem_get_info(device)
+    return (f"{torch.cuda.get_device_name(device)}, {total / 2**30:.1f} GiB: {free / 2**30:.1f} GiB free, "
+            f"{torch.cuda.memory_allocated(device) / 2**30:.1f} GiB held by this rank")
+
+
+def free_memory(device: torch.device) -> None:
+    gc.collect()  # an out-of-memory traceback's frames may still hold the step's activations
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def usable_bytes(device: torch.device) -> float:
+    """What a trial may take on this GPU: all but HEADROOM of what is free, and of what this process caches."""
+    free_memory(device)
+    return (1 - HEADROOM) * (torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_reserved(device))
+
+
+def largest_batch(task: Task, size: int) -> dict[str, Any]:
+    """`size` samples as large as the job's batches get: the job's own largest_batch (the longest
+    sequences, for text), else the first samples (jobs whose samples all have one size)."""
+    if hasattr(task, "largest_batch"):
+        return task.largest_batch(size)
+    return task.collate([task.train_set[i] for i in range(min(size, len(task.train_set)))])
+
+
+def forward_backward(run: Run, size: int, gradient_sync: bool) -> int | None:
+    """Forward and backward of the largest batch of `size`, its gradients dropped after: the GPU's peak bytes
+    allocated meanwhile (None on a CPU, which does not count them). Running out of memory raises; the caller
+    then drops the gradients (zero_grad) and frees the memory once the traceback is gone."""
+    device = run.env.device
+    free_memory(device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    batch = to_device(largest_batch(run.task, size), device)
+    with nullcontext() if gradient_sync else sharding.no_gradient_sync(run.model):
+        with run.precision.autocast():
+            loss = run.task.loss_sum(run.model, batch)
+        loss.backward()
+    del batch, loss  # the activations and the graph go before the next trial
+    run.optimizer.zero_grad(set_to_none=True)
+    free_memory(device)
+    return torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
