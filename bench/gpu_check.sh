@@ -14,6 +14,7 @@
 #   bash bench/gpu_check.sh host                    # there: python bench/host_path.py --gpu (data wait, checkpoint wait)
 #   bash bench/gpu_check.sh fsdp [ARG...]           # there: python bench/fsdp.py --gpu (fsdp vs ddp, BERT-base, bf16)
 #   bash bench/gpu_check.sh profile [PRECISION [VARIANT,...]]  # there: raw loop and launcher, eager/compiled, profiled
+#                                                   # (issue 40's next look: profile bf16 launcher-fsdp-eager,launcher-fsdp-compiled)
 # The machine (torch, transformers, tensorboard, rich, safetensors, pytest preinstalled; ../shared/GPU.md)
 # lacks hydra-core, omegaconf, antlr4, submitit and datasets; the 83 MB model package is over what a call carries,
 # so `prepare` writes a stand-in for it: all-MiniLM-L6-v2's tokenizer files with a 2-layer BERT of random
@@ -110,7 +111,8 @@ case "$part" in
              # micro-batch 128 in the precision given (default fp16); the raw loop eager, compiled as the launcher
              # compiles (the module in DDP), compiled around DDP and compiled as one graph (no split at DDP's
              # buckets), then the launcher eager, compiled and compiled as one graph (train.compile_ddp_split=false),
-             # or the variants named in the second argument; each profiles two steps after its 20 timed ones
+             # or the variants named in the second argument (also launcher-fsdp-eager and launcher-fsdp-compiled:
+             # strategy=fsdp, each block compiled); each profiles two steps after its 20 timed ones
              # (both recording shapes), summarized by bench/trace_summary.py into profile-summaries.txt (the raw
              # loop's op tables: profile-tables.txt; one file each, as only 8 come back)
         [ $# -le 2 ] || { echo "profile takes the precision (fp32, bf16 or fp16) and a comma list of variants" >&2; exit 2; }
@@ -127,6 +129,8 @@ case "$part" in
             launcher-eager) flags=(train.compile=false) ;;
             launcher-compiled) flags=(train.compile=true) ;;
             launcher-compiled-unsplit) flags=(train.compile=true train.compile_ddp_split=false) ;;
+            launcher-fsdp-eager) flags=(strategy=fsdp train.compile=false) ;;  # issue 40: why compiled per block
+            launcher-fsdp-compiled) flags=(strategy=fsdp train.compile=true) ;;  # was slower than eager fsdp on an H200
             *) echo "unknown profile variant $variant" >&2; exit 2 ;;
             esac
             if [ "${variant%%-*}" = raw ]; then

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import signal
 import statistics
 import subprocess
 import sys
@@ -19,7 +18,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file, save_model
 
 from conftest import on_the_cpu_plan, read_metrics, run_cli, subprocess_env
-from helpers import DROPOUT, SLOW, bitwise_equal, finish, start, wait_until, weights, worker_pid
+from helpers import DROPOUT, SLOW, bitwise_equal, finish, wait_until, weights, worker_pid
 from launcher.rundir import MARKER, complete_steps
 from launcher.train import checkpoint
 from launcher.train.background_save import BackgroundSave
