@@ -253,7 +253,8 @@ def test_micro_batch_auto_probes_real_gpu_memory(tmp_path: Path, tiny_bert: Path
     assert summary["micro_batch_size"] == 32 and summary["grad_accum_steps"] == 1  # a tiny BERT: the whole share
     why = json.loads((run_dir / "micro_batch.json").read_text())["why"]
     assert why == "tried rank 0: 32 fits" if strategy == "ddp" else \
-        re.fullmatch(r"tried peaks 1: [0-9.]+ GiB, 2: [0-9.]+ GiB point to 32, 32 fits on every rank", why), why
+        re.fullmatch(r"tried 1 and 2 to extrapolate: rank 0's peaks [0-9.]+, [0-9.]+ GiB point to 32, then 32 fits "
+                     r"on every rank", why), why
 
 
 def test_running_out_of_memory_on_cuda_redoes_the_step(tmp_path: Path) -> None:

@@ -230,9 +230,10 @@ def exit_out_of_memory(run: Run, error: torch.OutOfMemoryError) -> NoReturn:
     wait in a collective this rank will not finish), anywhere in a step or trial of strategy=fsdp, in eval or
     in a checkpoint. With auto, the next start (torchrun's restart with launcher.max_restarts, or a relaunch)
     resumes from the last checkpoint with half the micro-batch, and the exit code says so
-    (OUT_OF_MEMORY_EXIT_CODE); a fixed size exits with 1 (the same size would run out again). Exits once a save
-    in flight is written (the next start resumes from it), without a clean shutdown: that could wait as long as
-    the peers do."""
+    (OUT_OF_MEMORY_EXIT_CODE); a fixed size exits with 1 (the same size would run out again). Exits once this
+    rank's part of a save in flight is written (rank 0's, or under fsdp every rank's shards: the peers' exit may
+    still cut rank 0 short, and the next start then takes the checkpoint before), without a clean shutdown: that
+    could wait as long as the peers do."""
     phase, step = run.watchdog.phase, run.watchdog.step  # where the loop was: train, log, eval, checkpoint
     auto, redoes = run.out_of_memory.enabled, run.out_of_memory.redoes
     place = ("in the micro-batch probe" if phase == PROBE else
@@ -240,12 +241,14 @@ def exit_out_of_memory(run: Run, error: torch.OutOfMemoryError) -> NoReturn:
              f"in or after the gradient all-reduce of step {step}" if redoes else f"in step {step}")
     where = (f"rank {run.env.rank} ran out of memory {place} ({memory_report(run.env.device)}; "
              f"{str(error).splitlines()[0][:200]})")
-    smaller = halved(share_of(run), run.micro_batch_size) if auto else None
+    smaller = halved(share_of(run), run.micro_batch_size) if auto else None  # (None before any trial: size 0)
     cannot = "where a step cannot be redone" if redoes or not phase.startswith(("train", PROBE)) else (
         "which strategy=fsdp cannot redo (every rank's forward and backward gather weights from the others)")
     if not auto:
         message = (f"{where} with train.micro_batch_size={run.micro_batch_size}; set train.micro_batch_size=auto "
                    f"(the largest size that fits, halved after running out) or a smaller size")
+    elif not run.micro_batch_size:  # the probe, before its first trial: the model and its state alone do not fit
+        message = f"train.micro_batch_size=auto: {where} before any micro-batch was tried; {SMALLER}"
     elif smaller is None:
         message = f"train.micro_batch_size=auto: {where} even with micro-batch 1; {SMALLER}"
     else:
@@ -259,7 +262,7 @@ def exit_out_of_memory(run: Run, error: torch.OutOfMemoryError) -> NoReturn:
                     f": relaunch with hydra.run.dir={run.run_dir} (a launcher=slurm job requeues itself), or set "
                     f"launcher.max_restarts>=1"))
     get_error_handler().record_exception(RuntimeError(message))  # the launcher's error line reads it
-    if run.background_save is not None:  # the checkpoint in flight may be the one the next start resumes from
+    if run.background_save is not None:  # this rank's part of the checkpoint the next start may resume from
         run.background_save.finish()
     sys.stdout.flush()
     sys.stderr.flush()

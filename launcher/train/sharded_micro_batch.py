@@ -24,10 +24,12 @@ GiB = 2**30
 def held_later(run: Run, share: int) -> Callable[[int], int]:
     """Bytes a trial does not hold but a step at a size will: the optimizer's state, made at the first step
     (Adam's two moments of this rank's shards, unless a resume loaded them), and, when a step accumulates over
-    several micro-batches, the unsharded gradients FSDP2 keeps between them (every weight's, in its dtype)."""
+    several micro-batches, the unsharded gradients FSDP2 keeps between them: every weight's, in float32 under
+    bf16/fp16 (FSDP2 accumulates in the reduce dtype, launcher/train/sharding.py), else in the weight's dtype."""
     trainable = [p for p in run.module.parameters() if p.requires_grad]
     mine = sum((p.to_local() if sharding.is_dtensor(p) else p).numel() * p.element_size() for p in trainable)
-    whole = sum(p.numel() * p.element_size() for p in trainable)  # a DTensor's numel is the whole tensor's
+    mixed = run.precision.autocast_dtype is not None
+    whole = sum(p.numel() * (4 if mixed else p.element_size()) for p in trainable)  # a DTensor's numel: the whole
     state = 0 if run.optimizer.state else 2 * mine
     return lambda size: state + (whole if share // size > 1 else 0)
 
@@ -49,13 +51,17 @@ def probe_in_step(run: Run, sizes: list[int], smaller: str) -> tuple[int, str]:
     device, share = run.env.device, run.data_plan.global_batch_size // run.env.world_size
     later, tried, start = held_later(run, share), [], sizes[0]  # a CPU does not count memory: the largest runs
     if device.type == "cuda" and len(sizes) > 1:
-        peaks = {}
-        for size in sizes[-2:]:
-            run.micro_batch_size = size  # what exit_out_of_memory halves if this trial runs out
+        run.micro_batch_size = sizes[-1]  # what exit_out_of_memory halves if a trial runs out
+        forward_backward(run, sizes[-1], gradient_sync=True)  # a first forward's one-off memory (lazy init, a
+        peaks = {}                                            # compile's autotuning) is not a sample's
+        for size in reversed(sizes[-2:]):
+            run.micro_batch_size = size
             peaks[size] = forward_backward(run, size, gradient_sync=True)
-        start = min(all_gather_objects(first_to_try(sizes, peaks, later, usable_bytes(device))))
-        tried.append("peaks " + ", ".join(f"{size}: {peak / GiB:.2f} GiB" for size, peak in sorted(peaks.items())) +
-                     f" point to {start}")
+        choices = all_gather_objects((first_to_try(sizes, peaks, later, usable_bytes(device)), sorted(peaks.items())))
+        start = min(first for first, _ in choices)
+        tried.append(" and ".join(str(size) for size, _ in sorted(peaks.items())) + " to extrapolate: " + "; ".join(
+            f"rank {r}'s peaks {', '.join(f'{peak / GiB:.2f}' for _, peak in theirs)} GiB point to {first}"
+            for r, (first, theirs) in enumerate(choices)))
     for size in sizes[sizes.index(start):]:
         run.micro_batch_size = size
         usable = usable_bytes(device) if device.type == "cuda" else 0.0
@@ -63,9 +69,9 @@ def probe_in_step(run: Run, sizes: list[int], smaller: str) -> tuple[int, str]:
         need = None if peak is None else peak + later(size)
         found = all_gather_objects(None if need is None or need <= usable else
                                    f"needs {need / GiB:.1f} GiB of {usable / GiB:.1f} GiB usable")
-        tried.append(f"{size} " + ("; ".join(f"rank {r} {why}" for r, why in enumerate(found) if why) or
-                                   "fits on every rank"))
+        tried.append(f"{size} " + ("does not: " + "; ".join(f"rank {r} {why}" for r, why in enumerate(found) if why)
+                                   if any(found) else "fits on every rank"))
         if not any(found):
-            return size, "tried " + ", ".join(tried)
+            return size, "tried " + ", then ".join(tried)
     raise RuntimeError(f"train.micro_batch_size=auto: even micro-batch 1 of the job's largest batch does not fit "
-                       f"on every rank ({', '.join(tried)}); {smaller}")
+                       f"on every rank (tried {', then '.join(tried)}); {smaller}")
