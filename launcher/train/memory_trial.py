@@ -38,6 +38,12 @@ def usable_bytes(device: torch.device) -> float:
     return (1 - HEADROOM) * (torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_reserved(device))
 
 
+def moments_to_come(run: Run) -> int:
+    """Bytes the optimizer's state will take, made at its first step (after the trials): Adam's two tensors per
+    trainable weight of this rank (its shards under fsdp; less for SGD), 0 once it has state (a resume)."""
+    return 0 if run.optimizer.state else 2 * sharding.state_bytes(run.module, run.optimizer)["grads"]
+
+
 def largest_batch(task: Task, size: int) -> dict[str, Any]:
     """`size` samples as large as the job's batches get: the job's own largest_batch (the longest
     sequences, for text), else the first samples (jobs whose samples all have one size)."""
@@ -49,9 +55,9 @@ def largest_batch(task: Task, size: int) -> dict[str, Any]:
 def forward_backward(run: Run, size: int, gradient_sync: bool) -> int | None:
     """Forward and backward of the largest batch of `size`, its gradients dropped after: the GPU's peak bytes
     allocated meanwhile (None on a CPU, which does not count them). Running out of memory raises; the caller
-    then drops the gradients (zero_grad) and frees the memory once the traceback is gone."""
+    then drops the gradients (zero_grad) and frees the memory once the traceback is gone, as this does after a
+    trial that fits: the next trial starts from a freed allocator."""
     device = run.env.device
-    free_memory(device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     batch = to_device(largest_batch(run.task, size), device)

@@ -23,7 +23,7 @@ from launcher.preempt import OUT_OF_MEMORY_EXIT_CODE
 from launcher.rundir import write_atomically
 from launcher.task import to_device
 from launcher.train.dist import all_gather_objects, on_rank_0
-from launcher.train.memory_trial import forward_backward, free_memory, memory_report, usable_bytes
+from launcher.train.memory_trial import forward_backward, free_memory, memory_report, moments_to_come, usable_bytes
 from launcher.train.sharded_micro_batch import probe_in_step
 from launcher.train.sync_check import host_side
 
@@ -119,10 +119,7 @@ def trial(run: Run, size: int, state_bytes: int) -> str | None:
 
 def probe(run: Run, sizes: list[int]) -> tuple[int, list[str]]:
     """This rank's largest size of `sizes` that fits (0: none) and what each trial found."""
-    # The optimizer makes its state at the first step, after the probe: count Adam's two tensors per
-    # parameter in (less for SGD) unless a resume has loaded it already.
-    state_bytes = 0 if run.optimizer.state else 2 * sum(p.numel() * p.element_size() for p in
-                                                         run.module.parameters() if p.requires_grad)
+    state_bytes = moments_to_come(run)
     tried = []
     for size in sizes:
         failed = trial(run, size, state_bytes)

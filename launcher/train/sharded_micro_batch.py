@@ -11,9 +11,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Callable
 
-from launcher.train import sharding
 from launcher.train.dist import all_gather_objects
-from launcher.train.memory_trial import forward_backward, usable_bytes
+from launcher.train.memory_trial import forward_backward, moments_to_come, usable_bytes
 
 if TYPE_CHECKING:
     from launcher.train.loop import Run
@@ -22,15 +21,14 @@ GiB = 2**30
 
 
 def held_later(run: Run, share: int) -> Callable[[int], int]:
-    """Bytes a trial does not hold but a step at a size will: the optimizer's state, made at the first step
-    (Adam's two moments of this rank's shards, unless a resume loaded them), and, when a step accumulates over
-    several micro-batches, the unsharded gradients FSDP2 keeps between them: every weight's, in float32 under
-    bf16/fp16 (FSDP2 accumulates in the reduce dtype, launcher/train/sharding.py), else in the weight's dtype."""
-    trainable = [p for p in run.module.parameters() if p.requires_grad]
-    mine = sum((p.to_local() if sharding.is_dtensor(p) else p).numel() * p.element_size() for p in trainable)
+    """Bytes a trial does not hold but a step at a size will: the optimizer's state (memory_trial.moments_to_come),
+    and, when a step accumulates over several micro-batches, the unsharded gradients FSDP2 keeps between them:
+    every weight's, in float32 under bf16/fp16 (FSDP2 accumulates in the reduce dtype, launcher/train/sharding.py),
+    else in the weight's dtype."""
     mixed = run.precision.autocast_dtype is not None
-    whole = sum(p.numel() * (4 if mixed else p.element_size()) for p in trainable)  # a DTensor's numel: the whole
-    state = 0 if run.optimizer.state else 2 * mine
+    whole = sum(p.numel() * (4 if mixed else p.element_size())  # a DTensor's numel is the whole tensor's
+                for p in run.module.parameters() if p.requires_grad)
+    state = moments_to_come(run)
     return lambda size: state + (whole if share // size > 1 else 0)
 
 
