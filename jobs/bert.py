@@ -2,7 +2,6 @@
 Exercised by: `python -m launcher +exp=bert` and `python -m launcher +exp=bert_mlm`."""
 from __future__ import annotations
 
-import copy
 import os
 from pathlib import Path
 from typing import Any
@@ -14,8 +13,9 @@ from transformers import (AutoConfig, AutoModelForSequenceClassification, AutoTo
                           DataCollatorForTokenClassification, DataCollatorWithPadding)
 
 from jobs.activation_checkpointing import checkpoint_activations
-from jobs.attention import hf_model, model_inputs, use_sdpa_unmasked
+from jobs.attention import model_inputs, use_sdpa_unmasked
 from jobs.labels import Labels
+from jobs.pretrained_files import write_pretrained_files
 from jobs.text import (GLUE_FIELDS, DataError, check_text, corpus_lines, load_file_rows, load_hub_rows,
                        sentiment_rows, text_columns, text_file_rows)
 
@@ -118,23 +118,6 @@ def _fp32(logits: torch.Tensor) -> torch.Tensor:
     return logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
 
 
-def _save_pretrained_files(model: torch.nn.Module, tokenizer: Any, directory: Path,
-                           labels: Labels | None = None) -> None:
-    """config.json and the tokenizer beside a checkpoint's model.safetensors: from_pretrained loads it as any
-    save_pretrained dir. The architecture named is transformers' own class (BertMaskedLMSum's: BertForMaskedLM);
-    a classifier's label names are its id2label (pipelines show them; a run from this checkpoint maps by them)."""
-    hf = hf_model(model)
-    config = copy.deepcopy(hf.config)
-    id2label = labels.id2label(config.num_labels) if labels else None
-    if id2label:
-        config.id2label, config.label2id = id2label, {name: i for i, name in id2label.items()}
-    config.architectures = [next(c.__name__ for c in type(hf).__mro__ if c.__module__.startswith("transformers."))]
-    # the weights' own dtype (model.dtype), as from_pretrained's dtype="auto" reads it (transformers 4: torch_dtype)
-    setattr(config, "dtype" if hasattr(config, "dtype") else "torch_dtype", next(hf.parameters()).dtype)
-    config.save_pretrained(directory)
-    tokenizer.save_pretrained(directory)
-
-
 def _mark_padding(batch: Any) -> Any:
     batch["padded"] = not bool(batch["attention_mask"].all())  # a CPU tensor here: no sync
     return batch
@@ -206,7 +189,7 @@ class TextClassification:
         return self.collate(_longest(self.train_set, size))
 
     def write_model_files(self, model: torch.nn.Module, directory: Path) -> None:
-        _save_pretrained_files(model, self.tokenizer, directory, self.labels)
+        write_pretrained_files(model, self.tokenizer, directory, self.labels)
 
     def loss_sum(self, model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         logits = model(**model_inputs(model, batch)).logits
@@ -280,7 +263,7 @@ class MaskedLM:
         return self.collate(_longest(self.train_set, size))
 
     def write_model_files(self, model: torch.nn.Module, directory: Path) -> None:
-        _save_pretrained_files(model, self.tokenizer, directory)
+        write_pretrained_files(model, self.tokenizer, directory)
 
     def count_items(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         return torch.tensor(len(batch["masked_positions"]))  # the loss tokens: normalised by their global count

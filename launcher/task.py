@@ -44,7 +44,10 @@ class Task(Protocol):
     # Optional: def write_model_files(self, model: torch.nn.Module, directory: Path) -> None
     #   What makes checkpoints/<step>/ loadable without the launcher, written beside its model.safetensors
     #   (a transformers job: config.json and the tokenizer; then from_pretrained loads the checkpoint, and
-    #   model.pretrained=<run dir> starts another run from the run's newest one).
+    #   model.pretrained=<run dir> starts another run from the run's newest one). Under train.ckpt_async it runs in
+    #   the checkpoint's writer thread while training goes on: it reads only what training never changes (the
+    #   model's config), and the weights' dtype from the model.safetensors already written in `directory` (under
+    #   strategy=fsdp with bf16/fp16 the module's parameters are half-precision copies in the middle of a step).
     # An error the job raises while it is built, with a true `one_line` attribute, is a message for the user (a
     # bad row of a data file): the launcher shows its one line, and no rank its traceback.
 

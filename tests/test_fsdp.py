@@ -184,8 +184,14 @@ def test_bert_under_fsdp_learns_as_under_ddp_and_its_checkpoints_load_in_transfo
     loaded = AutoModelForSequenceClassification.from_pretrained(tmp_path / "fsdp" / "checkpoints" / "6")
     assert bitwise_equal({k: v for k, v in loaded.state_dict().items() if k in weights(tmp_path / "fsdp", 6)},
                          weights(tmp_path / "fsdp", 6))
-    out = run_cli("+exp=bert_mlm", *common, "strategy=fsdp", f"hydra.run.dir={tmp_path / 'mlm'}", cwd=tmp_path)
+    # in bf16, saved in the background every step: the writer thread describes the float64 weights it wrote, though
+    # the module it reads the config of holds bfloat16 copies of them for most of each step
+    out = run_cli("+exp=bert_mlm", *common, "strategy=fsdp", "precision=bf16", "train.ckpt_every=1",
+                  "train.keep_checkpoints=6", f"hydra.run.dir={tmp_path / 'mlm'}", cwd=tmp_path)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
+    configs = [json.loads((tmp_path / "mlm" / "checkpoints" / str(step) / "config.json").read_text())
+               for step in range(1, 7)]
+    assert [config.get("dtype", config.get("torch_dtype")) for config in configs] == ["float64"] * 6  # (transformers 4)
     mlm = AutoModelForMaskedLM.from_pretrained(tmp_path / "mlm" / "checkpoints" / "6")
     assert mlm.cls.predictions.decoder.weight is mlm.bert.embeddings.word_embeddings.weight
     saved = load_file(tmp_path / "mlm" / "checkpoints" / "6" / "model.safetensors")
