@@ -46,8 +46,9 @@ class BackgroundSave:
         strategy=fsdp the ranks but rank 0 have only `moments`, their shards (model and train_state None)."""
         self.wait()
         shared: dict[tuple, torch.Tensor] = {}  # tied weights (an embedding and its decoder) stay one copy
-        weights = None if model is None else HostWeights({name: self._host(f"model/{name}", tensor, shared)
-                                                          for name, tensor in model.state_dict().items()})
+        weights = (model if model is None or isinstance(model, HostWeights)  # (fsdp's gathered weights: host copies
+                   else HostWeights({name: self._host(f"model/{name}", tensor, shared)  # of their own already)
+                                     for name, tensor in model.state_dict().items()}))
         state = None if train_state is None else self._copy(train_state, "state", shared)
         shards = None if moments is None else {key: sharded_checkpoint.on_host(value, self._host(
             f"moments/{key}", value.to_local(), shared)) for key, value in moments.items()}
