@@ -49,10 +49,11 @@ def probe_in_step(run: Run, sizes: list[int], smaller: str) -> tuple[int, str]:
     device, share = run.env.device, run.data_plan.global_batch_size // run.env.world_size
     later, tried, start = held_later(run, share), [], sizes[0]  # a CPU does not count memory: the largest runs
     if device.type == "cuda" and len(sizes) > 1:
-        run.micro_batch_size = sizes[-1]  # what exit_out_of_memory halves if a trial runs out
-        forward_backward(run, sizes[-1], gradient_sync=True)  # a first forward's one-off memory (lazy init, a
-        peaks = {}                                            # compile's autotuning) is not a sample's
-        for size in reversed(sizes[-2:]):
+        peaks = {}
+        # Each size twice, the second peak kept: a first trial's one-off memory (lazy init; under train.compile the
+        # graph a new shape compiles, and its autotuning) is no sample's. run.micro_batch_size is what
+        # exit_out_of_memory halves if a trial runs out.
+        for size in [*reversed(sizes[-2:])] * 2:
             run.micro_batch_size = size
             peaks[size] = forward_backward(run, size, gradient_sync=True)
         choices = all_gather_objects((first_to_try(sizes, peaks, later, usable_bytes(device)), sorted(peaks.items())))
