@@ -58,13 +58,17 @@ def test_bert_on_one_gpu(tmp_path: Path, tiny_bert: Path, precision: str) -> Non
                          ids=["bf16", "fp16", "bf16-compiled"])
 def test_fsdp_on_one_gpu(tmp_path: Path, tiny_bert: Path, precision: str, compiled: bool) -> None:
     """strategy=fsdp on CUDA: FSDP2's 16-bit gathers and float32 reduction, GradScaler on its DTensor gradients, each
-    block compiled by inductor's Triton kernels, and a checkpoint of full tensors that transformers loads."""
+    block compiled by inductor's Triton kernels, and checkpoints of full tensors that transformers loads, written
+    in the background while training goes on (the shards from pinned copies queued behind the step), each naming
+    the float32 of its weights though the module holds 16-bit copies mid-step."""
     run_dir = run_ok(tmp_path, "+exp=bert", f"model.pretrained={tiny_bert}", *ONE_GPU, f"precision={precision}",
                      "strategy=fsdp", f"train.compile={str(compiled).lower()}", "train.max_steps=20",
-                     "data.n_train=400", "data.n_eval=101")
+                     "train.ckpt_every=5", "train.keep_checkpoints=4", "data.n_train=400", "data.n_eval=101")
     summary = json.loads((run_dir / "summary.json").read_text())
     assert (summary["strategy"], summary["precision"]) == ("fsdp", precision) and summary["skipped_steps"] < 20
     assert summary["state_bytes_per_rank"]["optimizer"] > 0 and 0 <= summary["eval"]["accuracy"] <= 1
+    for step in (5, 10, 15, 20):
+        assert json.loads((run_dir / "checkpoints" / str(step) / "config.json").read_text())["dtype"] == "float32"
     transformers.AutoModelForSequenceClassification.from_pretrained(run_dir / "checkpoints" / "20")
     assert (summary.get("compiled_graphs", 0) >= 1) == compiled
 
@@ -206,12 +210,14 @@ def test_loader_processes_hand_over_pinned_windows(tmp_path: Path) -> None:
     run_ok(tmp_path, "+exp=toy", *ONE_GPU, "train.num_workers=2", "train.max_steps=20")
 
 
-@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16", "bf16-fsdp"])
 def test_kill_and_resume_on_cuda_is_bitwise_exact(tmp_path: Path, precision: str) -> None:
     """SIGKILL the only worker after a checkpoint: torchrun restarts it, it resumes (CUDA RNG of its own
     device included: dropout draws from it in every forward; fused AdamW's state and step counts on the GPU;
-    fp16's loss scale) and ends bitwise equal to an uninterrupted run."""
-    mixed = {"fp32": ("precision=fp32",), "bf16": ("precision=bf16",), "fp16": FP16}[precision]
+    fp16's loss scale; under fsdp the moments' shards read into CUDA DTensors) and ends bitwise equal to an
+    uninterrupted run."""
+    mixed = {"fp32": ("precision=fp32",), "bf16": ("precision=bf16",), "fp16": FP16,
+             "bf16-fsdp": ("precision=bf16", "strategy=fsdp")}[precision]
     reference = tmp_path / "reference"
     finish(start(reference, *ONE_GPU, *DROPOUT, *mixed), 0)
     killed = tmp_path / "killed"
