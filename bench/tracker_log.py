@@ -1,5 +1,5 @@
 """What a log step costs rank 0 in MLflow: a synchronous log_batch (how the launcher logged before) against
-the tracker's handover to MLflow's logging thread (launcher/mlflow_tracker.py), on the embedded SQLite store.
+the tracker's handover to MLflow's logging thread (launcher/track/mlflow_tracker.py), on the embedded SQLite store.
 
 Per mode: the median and max milliseconds that a log call holds the training loop, over log steps
 `--gap` seconds apart (the training between them), 14 scalars each (a launcher log record's size).
@@ -19,8 +19,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
-from launcher.mlflow_tracker import MlflowTracker  # noqa: E402
-from launcher.tracker import Resume  # noqa: E402
+from launcher.track.mlflow_tracker import MlflowTracker  # noqa: E402
+from launcher.track.protocol import Resume  # noqa: E402
 
 
 def main() -> None:

@@ -12,8 +12,9 @@ import pytest
 
 from conftest import run_cli
 from helpers import ONE, TOY, with_store
-from launcher.mlflow_tracker import MlflowTracker
-from launcher.tracker import Resume, Trackers
+from launcher.track.mlflow_tracker import MlflowTracker
+from launcher.track.protocol import Resume
+from launcher.track.trackers import Trackers
 
 if TYPE_CHECKING:  # an optional package, imported where used: `pytest -m gpu` collects this file without it
     from mlflow import MlflowClient

@@ -17,7 +17,8 @@ import pytest
 from conftest import on_the_cpu_plan, read_metrics, run_cli, subprocess_env
 from helpers import ONE, TOY, logged_step, store, wait_until, with_store, worker_pid
 from launcher.preempt import REQUEUE_EXIT_CODE
-from launcher.tracker import Tracker, Trackers, flat_params
+from launcher.track.protocol import Tracker, flat_params
+from launcher.track.trackers import Trackers
 
 if TYPE_CHECKING:  # optional packages, imported where used: `pytest -m gpu` collects this file without them
     from mlflow import MlflowClient

@@ -37,7 +37,7 @@ from launcher.preempt import REQUEUE_EXIT_CODE, read_preempted, release_early_si
 from launcher.redact import redact_override
 from launcher.rundir import LAUNCH_FILE, pinned_pretrained
 from launcher.schema import register
-from launcher.tracker import write_record
+from launcher.track.protocol import write_record
 from launcher.train.sharding import RULE as SHARDING_RULE
 
 register()

@@ -19,10 +19,10 @@ from typing import Any
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 
-from launcher import mlflow_tracker, wandb_tracker
 from launcher.redact import REDACTED, URL_CREDENTIALS, URL_QUERY_SECRET, redact, redact_override
 from launcher.derived import ConfigError
-from launcher.tracker import PACKAGES, enabled, read_record, write_record
+from launcher.track import mlflow_tracker, wandb_tracker
+from launcher.track.protocol import PACKAGES, enabled, read_record, write_record
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """The one place that writes run files and prints: rank 0 only, a no-op on every other rank.
 
-metrics.jsonl and the trackers of logger=[...] (TensorBoard in tb/, MLflow, W&B: launcher/tracker.py)
+metrics.jsonl and the trackers of logger=[...] (TensorBoard in tb/, MLflow, W&B: launcher/track/)
 get the same scalars per logged step; summary.json the end of the run; samples.jsonl (with
 train.log_samples) every step's sample ids; preempted.json a preemption's step.
 On a TTY rank 0 shows a progress bar; elsewhere (CI, Slurm logs) a plain line per logged step.
@@ -17,7 +17,8 @@ from typing import Any, Callable
 
 from launcher.preempt import write_preempted
 from launcher.rundir import BEST_FILE, LOG_FILE, SUMMARY_FILE, ended_summary
-from launcher.tracker import Resume, Trackers, open_trackers
+from launcher.track.protocol import Resume
+from launcher.track.trackers import Trackers, open_trackers
 
 FALLING_SCALE_LOGS = 3  # an fp16 loss scale that fell at this many logged steps in a row is worth a warning
 STRAGGLER_LOGS = 3  # a rank slower than train.straggler_ratio x the median at this many logs in a row: warn

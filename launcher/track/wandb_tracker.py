@@ -16,7 +16,7 @@ from typing import Any
 
 from launcher.redact import redact, redacted
 from launcher.derived import ConfigError
-from launcher.tracker import PACKAGES, Resume, Tracker, run_tags, summary_scalars
+from launcher.track.protocol import PACKAGES, Resume, Tracker, run_tags, summary_scalars
 
 
 def _wandb() -> Any:

@@ -20,7 +20,7 @@ from typing import Any, Iterator
 from launcher.redact import REDACTED, redact, redacted
 from launcher.derived import ConfigError
 from launcher.derived import NOT_TRAJECTORY
-from launcher.tracker import PACKAGES, Resume, Tracker, flat_params, run_tags, summary_scalars
+from launcher.track.protocol import PACKAGES, Resume, Tracker, flat_params, run_tags, summary_scalars
 
 PARENT_TAG = "mlflow.parentRunId"  # MLflow's own tag: the UI nests a sweep's points under their parent run
 BATCH = 100  # MLflow takes at most 100 params per log_batch call
