@@ -15,7 +15,7 @@ from launcher.train.data import eval_batches
 from launcher.train.dist import all_reduce_sum
 
 if TYPE_CHECKING:
-    from launcher.train.loop import Run
+    from launcher.train.run import Run
 
 
 @torch.no_grad()

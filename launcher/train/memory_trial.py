@@ -12,7 +12,7 @@ from launcher.task import Task, to_device
 from launcher.train import sharding
 
 if TYPE_CHECKING:
-    from launcher.train.loop import Run
+    from launcher.train.run import Run
 
 HEADROOM = 0.10  # a trial leaves this share of the GPU free: fragmentation, longer batches, NCCL buffers
 

@@ -28,7 +28,7 @@ from launcher.train.sharded_micro_batch import probe_in_step
 from launcher.train.sync_check import host_side
 
 if TYPE_CHECKING:
-    from launcher.train.loop import Run
+    from launcher.train.run import Run
 
 MICRO_BATCH_FILE = "micro_batch.json"  # the auto size in force: a restart or a resume goes on with it
 SMALLER = ("use a smaller model, shorter inputs (data.max_length for text), a lower precision, or for the BERT jobs "

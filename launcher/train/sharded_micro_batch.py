@@ -15,7 +15,7 @@ from launcher.train.dist import all_gather_objects
 from launcher.train.memory_trial import forward_backward, moments_to_come, usable_bytes
 
 if TYPE_CHECKING:
-    from launcher.train.loop import Run
+    from launcher.train.run import Run
 
 GiB = 2**30
 

@@ -33,12 +33,13 @@ from launcher.train.compiled import CompileWatch, cannot_compile, compile_module
 from launcher.train.data import DataPlan, rank_seed, seed_all
 from launcher.train.job import build_part, check_task
 from launcher.train.ledger import Progress
-from launcher.train.loop import Run, train
+from launcher.train.loop import train
 from launcher.train.metrics import RunLog
 from launcher.train.orphan import end_with_the_agent
 from launcher.train.phases import phase
 from launcher.train.precision import Precision
 from launcher.train.profile import StepProfiler
+from launcher.train.run import Run
 from launcher.train.schedule import build_scheduler, resume_schedule
 from launcher.train.sync_check import SyncCheck
 from launcher.train.watchdog import Watchdog
