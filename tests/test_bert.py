@@ -237,7 +237,7 @@ def test_local_csv_and_jsonl_files_train_end_to_end(tmp_path: Path, tiny_bert: P
     out = run_cli("+exp=bert", f"model.pretrained={run_dir}", "data=files", f"data.path={tmp_path / 'pos.csv'}",
                   f"data.eval_path={tmp_path / 'pos.csv'}", "data.text_fields=sentence", "data.label_field=sentiment",
                   "train.max_steps=0", "train.global_batch_size=8", "train.micro_batch_size=2",
-                  f"hydra.run.dir={tmp_path / 'eval'}", cwd=tmp_path)
+                  "launcher.nproc_per_node=1", f"hydra.run.dir={tmp_path / 'eval'}", cwd=tmp_path)  # (the labels)
     assert out.returncode == 0, out.stderr[-4000:]
     model = transformers.AutoModelForSequenceClassification.from_pretrained(checkpoint).eval()
     with torch.no_grad():  # the accuracy is the share of 'pos' predictions (before: of 'neg' ones), never 1/2 of 9
@@ -282,8 +282,8 @@ def test_dropout_is_on_from_the_first_step(tmp_path: Path, tiny_bert: Path) -> N
     for dropout in ("0.3", "0"):
         run_dir = tmp_path / f"dropout-{dropout}"
         out = run_cli("+exp=bert", f"model.pretrained={tiny_bert}", f"model.dropout={dropout}", "data.n_train=64",
-                      "data.n_eval=0", "train.max_steps=1", "train.log_every=1", f"hydra.run.dir={run_dir}",
-                      cwd=tmp_path)
+                      "data.n_eval=0", "train.max_steps=1", "train.log_every=1", "launcher.nproc_per_node=1",
+                      f"hydra.run.dir={run_dir}", cwd=tmp_path)  # (a rank's own train mode: one is enough)
         assert out.returncode == 0, out.stderr[-4000:]
         (first_loss[dropout],) = [m["loss"] for m in read_metrics(run_dir) if "loss" in m]
     assert first_loss["0.3"] != pytest.approx(first_loss["0"], rel=1e-4), first_loss

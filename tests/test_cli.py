@@ -54,7 +54,7 @@ def test_toy_two_ranks_writes_a_complete_run_dir(tmp_path: Path) -> None:
 def test_fp16_and_bf16_runs_log_their_precision(tmp_path: Path) -> None:
     for precision in ("fp16", "bf16"):
         run_dir = tmp_path / precision
-        out = run_cli(*TOY, f"precision={precision}", "launcher.nproc_per_node=2", "train.micro_batch_size=4",
+        out = run_cli(*TOY, f"precision={precision}", "launcher.nproc_per_node=1", "train.micro_batch_size=4",
                       f"hydra.run.dir={run_dir}", cwd=tmp_path)
         assert out.returncode == 0, out.stderr[-4000:]
         steps = [m for m in read_metrics(run_dir) if "loss" in m]

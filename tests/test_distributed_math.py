@@ -65,12 +65,21 @@ def same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
     return all(torch.equal(x, y) for x, y in zip(a, b))
 
 
+SYNC = ("train.global_batch_size=32", "train.micro_batch_size=4", "train.max_steps=5",
+        "train.max_grad_norm=0.05")  # accumulation 4 on 2 ranks; clipping really clips
+
+
+@pytest.fixture(scope="module")
+def eager_sync(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    """Each rank's record of 5 eager steps in float32 (the CPU's default precision)."""
+    return probe(tmp_path_factory.mktemp("sync-eager"), 2, "sync", *SYNC, "train.compile=false")
+
+
 @pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])
-def test_one_gradient_sync_per_step_and_ranks_stay_identical(tmp_path: Path, compile: bool) -> None:
+def test_one_gradient_sync_per_step_and_ranks_stay_identical(tmp_path: Path, request: pytest.FixtureRequest,
+                                                             compile: bool) -> None:
     """Issue 2 tests 2-3, PITFALLS #3 and #17; with train.compile=true also PITFALLS #23 (issue 7)."""
-    ranks = probe(tmp_path, 2, "sync", "train.global_batch_size=32", "train.micro_batch_size=4",
-                  "train.max_steps=5", "train.max_grad_norm=0.05",  # accum 4; clipping really clips
-                  f"train.compile={str(compile).lower()}")
+    ranks = probe(tmp_path, 2, "sync", *SYNC, "train.compile=true") if compile else request.getfixturevalue("eager_sync")
     r0, r1 = ranks
     assert r0["init_params"] == r1["init_params"]  # same initial weights on every rank
     assert r0["random_draw"] != r1["random_draw"]  # but per-rank noise for dropout/augmentation
@@ -95,13 +104,14 @@ def global_norm(grads: list[torch.Tensor]) -> float:
     return float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.double()) for g in grads])))
 
 
-def test_fp16_clips_the_unscaled_gradients_as_fp32_does(tmp_path: Path) -> None:
+def test_fp16_clips_the_unscaled_gradients_as_fp32_does(tmp_path: Path, eager_sync: list[dict]) -> None:
     """PITFALLS #4 (fp16 + clipping: training barely moves): the norm is taken, and the clip applied, after the
     loss scale is divided out, so fp16 reports fp32's norm and hands the optimizer gradients clipped to
     max_grad_norm, not to max_grad_norm / scale (which the scale's 1024 would make 1000x too small)."""
-    common = ("train.global_batch_size=32", "train.micro_batch_size=4", "train.max_steps=3", "train.max_grad_norm=0.05")
-    fp32 = probe(tmp_path / "fp32", 2, "sync", *common)
-    fp16 = probe(tmp_path / "fp16", 2, "sync", *common, "precision=fp16", "precision.init_scale=1024")
+    fp32 = eager_sync
+    fp16 = probe(tmp_path / "fp16", 2, "sync", *SYNC, "train.compile=false", "precision=fp16",
+                 "precision.init_scale=1024")
+    assert len(fp32[0]["steps"]) == len(fp16[0]["steps"]) == 5
     for a, b in zip(fp32[0]["steps"], fp16[0]["steps"]):
         assert a["grad_norm"] > 0.5 and b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-2)
         assert global_norm(a["synced_grads"]) == pytest.approx(0.05, rel=1e-4)

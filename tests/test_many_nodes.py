@@ -12,10 +12,8 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
-from safetensors.torch import load_file
 
-from conftest import run_cli
+from conftest import assert_same_float64_weights, run_cli
 from helpers import NODES_COMMON as COMMON
 from helpers import children, free_port, node
 
@@ -31,8 +29,17 @@ def errors(text: str) -> list[str]:
     return [line for line in text.splitlines() if line.startswith("error: ")]
 
 
+@pytest.fixture(scope="module")
+def one_node(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """What the nodes' runs must equal: one node with two workers at the same global batch, never interrupted."""
+    reference = tmp_path_factory.mktemp("one-node") / "run"
+    out = run_cli(*COMMON, "launcher.nproc_per_node=2", f"hydra.run.dir={reference}", cwd=reference.parent)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return reference
+
+
 @pytest.mark.parametrize("rendezvous", ["c10d", "static", "c10d-fsdp"])
-def test_two_nodes_train_like_one_node_with_two_workers(tmp_path: Path, rendezvous: str) -> None:
+def test_two_nodes_train_like_one_node_with_two_workers(tmp_path: Path, one_node: Path, rendezvous: str) -> None:
     """World size 2 from two launchers of one worker each (c10d: ranks by arrival; static: launcher.node_rank);
     the float64 weights equal those of one node with two workers (DDP) at the same global batch, also when the
     nodes shard the model between them (strategy=fsdp)."""
@@ -44,13 +51,8 @@ def test_two_nodes_train_like_one_node_with_two_workers(tmp_path: Path, rendezvo
     for proc in (first, second):
         code, text = finish(proc)
         assert code == 0, text[-3000:]
-    reference = tmp_path / "one-node"
-    out = run_cli(*COMMON, "launcher.nproc_per_node=2", f"hydra.run.dir={reference}", cwd=tmp_path)
-    assert out.returncode == 0, out.stderr[-3000:]
     assert json.loads((run_dir / "summary.json").read_text())["world_size"] == 2
-    ours, theirs = (load_file(d / "checkpoints" / "12" / "model.safetensors") for d in (run_dir, reference))
-    for key, value in theirs.items():
-        torch.testing.assert_close(ours[key], value, rtol=1e-10, atol=0)
+    assert_same_float64_weights(run_dir, one_node, 12)
 
 
 def test_nodes_that_resolved_different_configs_stop_naming_the_keys(tmp_path: Path) -> None:
@@ -80,7 +82,7 @@ def test_several_nodes_need_an_endpoint_and_a_shared_run_dir(tmp_path: Path) -> 
     assert out.returncode == 2 and "give every node the same hydra.run.dir" in out.stderr, out.stderr
 
 
-def test_an_elastic_run_goes_on_without_a_lost_node(tmp_path: Path) -> None:
+def test_an_elastic_run_goes_on_without_a_lost_node(tmp_path: Path, one_node: Path) -> None:
     """launcher.nnodes=1:2: the second node (its launcher and its worker) is SIGKILLed after the step-4
     checkpoint. The first node's agent restarts its worker in a world of one node, which resumes from the
     last checkpoint at the same global batch (accumulation 2 -> 4) and ends equal, in float64, to one node
@@ -101,9 +103,4 @@ def test_an_elastic_run_goes_on_without_a_lost_node(tmp_path: Path) -> None:
     assert code == 0, text[-4000:]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["world_size"] == 1 and summary["restarts"] == 1 and summary["resumed_from"] >= 4
-    reference = tmp_path / "one-node"
-    out = run_cli(*COMMON, "launcher.nproc_per_node=2", f"hydra.run.dir={reference}", cwd=tmp_path)
-    assert out.returncode == 0, out.stderr[-3000:]
-    ours, theirs = (load_file(d / "checkpoints" / "12" / "model.safetensors") for d in (run_dir, reference))
-    for key, value in theirs.items():
-        torch.testing.assert_close(ours[key], value, rtol=1e-10, atol=0)
+    assert_same_float64_weights(run_dir, one_node, 12)

@@ -179,18 +179,27 @@ def test_a_fixed_micro_batch_that_runs_out_ends_the_run_suggesting_auto(tmp_path
     assert not (run_dir / MICRO_BATCH_FILE).exists()
 
 
+UNACCUMULATED = ("train.global_batch_size=16",)  # 8 per rank: micro-batch 8 means accumulation 1
+
+
+@pytest.fixture(scope="module")
+def unaccumulated(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A run at micro-batch 8 without accumulation that never runs out of memory."""
+    reference = tmp_path_factory.mktemp("unaccumulated") / "reference"
+    launch(reference, "train.micro_batch_size=8", *UNACCUMULATED)
+    return reference
+
+
 @pytest.mark.parametrize("restarts", [0, 1], ids=["relaunch", "torchrun-restart"])
-def test_out_of_memory_inside_the_all_reduce_exits_and_the_next_start_halves(tmp_path: Path, restarts: int) -> None:
+def test_out_of_memory_inside_the_all_reduce_exits_and_the_next_start_halves(tmp_path: Path, unaccumulated: Path,
+                                                                             restarts: int) -> None:
     """Rank 1 runs out in the backward of the micro-batch that syncs (no accumulation: every backward holds
     the all-reduce), at step 9: the step cannot be redone in-process. The workers exit with
     OUT_OF_MEMORY_EXIT_CODE and one line, then a relaunch (or torchrun's restart, launcher.max_restarts=1)
     resumes from step 8 with micro-batch 4, and the run ends equal to one that never ran out of memory."""
-    shape = ("train.global_batch_size=16",)  # 8 per rank: micro-batch 8 means accumulation 1
-    reference = tmp_path / "reference"
-    launch(reference, "train.micro_batch_size=8", *shape)
-    run_dir = tmp_path / "in-collective"
+    run_dir, reference = tmp_path / "in-collective", unaccumulated
     # loss computations on rank 1: 1 probe trial, then one per step: the 10th is step 9
-    oom = ("train.micro_batch_size=auto", *shape, "data.oom_rank=1", "data.oom_max_items=4", "data.oom_from_call=10",
+    oom = ("train.micro_batch_size=auto", *UNACCUMULATED, "data.oom_rank=1", "data.oom_max_items=4", "data.oom_from_call=10",
            "data.oom_in_backward=true", f"launcher.max_restarts={restarts}")
     log = launch(run_dir, *oom, expect=0 if restarts else OUT_OF_MEMORY_EXIT_CODE)
     where = "rank 1 ran out of memory in or after the gradient all-reduce of step 9"

@@ -55,7 +55,13 @@ def local_reference(tmp_path: Path, *overrides: str) -> Path:
     return run_dir
 
 
-def test_one_node_two_workers_completes(cluster, tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def local_toy(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The toy's 2-rank run launched locally, which the jobs of the same config must equal bitwise."""
+    return local_reference(tmp_path_factory.mktemp("local-toy"))
+
+
+def test_one_node_two_workers_completes(cluster, tmp_path: Path, local_toy: Path) -> None:
     """Issue 5 test 1: launcher=slurm, 1 node x 2 CPU workers: completes, run dir complete, exit 0."""
     out = run_cli(*TOY, "launcher=slurm", "launcher.wait=true", f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
@@ -67,7 +73,7 @@ def test_one_node_two_workers_completes(cluster, tmp_path: Path) -> None:
     assert len([m for m in read_metrics(run_dir) if "loss" in m]) == 40
     slurm_job = json.loads((run_dir / "launch.json").read_text())["slurm_job"]  # the node's view, for bug reports
     assert slurm_job["SLURM_JOB_ID"] == job and slurm_job["SLURM_JOB_NODELIST"]
-    assert bitwise(weights(run_dir), weights(local_reference(tmp_path)))  # the same trajectory as locally
+    assert bitwise(weights(run_dir), weights(local_toy))  # the same trajectory as locally
 
 
 def bitwise(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
@@ -149,7 +155,8 @@ def wait_for_step(run_dir: Path, step: int, timeout: float = 120) -> None:
 
 
 @pytest.mark.parametrize("how", ["signal", "requeue"])
-def test_preempted_or_requeued_job_resumes_in_the_same_run_dir(cluster, tmp_path: Path, how: str) -> None:
+def test_preempted_or_requeued_job_resumes_in_the_same_run_dir(cluster, tmp_path: Path, local_toy: Path,
+                                                              how: str) -> None:
     """Issue 5 test 4: `scancel --signal=USR2` -> checkpoint -> requeue -> resume in the same run dir,
     bitwise equal to an uninterrupted run. `scontrol requeue` (a node failure: no signal, no
     checkpoint then) resumes from the latest complete checkpoint."""
@@ -174,7 +181,7 @@ def test_preempted_or_requeued_job_resumes_in_the_same_run_dir(cluster, tmp_path
     assert re.search(r"resumed from step (\d+)", log)
     assert final_state(job) == "COMPLETED"
     assert [m["step"] for m in read_metrics(run_dir) if "loss" in m] == list(range(1, 41))
-    assert bitwise(weights(run_dir), weights(local_reference(tmp_path)))
+    assert bitwise(weights(run_dir), weights(local_toy))
 
 
 def test_out_of_memory_past_a_redo_requeues_the_job_at_half_the_micro_batch(cluster, tmp_path: Path) -> None:
