@@ -13,7 +13,7 @@ from conftest import read_metrics, run_cli
 from helpers import free_port, node
 
 pytestmark = pytest.mark.slow
-SMALL_BERT = ("model.layers=2", "model.hidden=64", "model.heads=2", "data.seq_len=32", "data.n_samples=256")
+SMALL_BERT = ("model.layers=1", "model.hidden=64", "model.heads=2", "data.seq_len=32", "data.n_samples=256")
 
 
 def compiled_run(tmp_path: Path, name: str, *overrides: str, exp: str = "toy") -> tuple[Path, subprocess.CompletedProcess]:
