@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:  # (annotations only: the parts below import this module back)
+if TYPE_CHECKING:  # annotations only: none of these at run time (the probes and eval import Run from here)
     import torch
     from torch.nn.parallel import DistributedDataParallel as DDP
 
