@@ -36,6 +36,11 @@ def _weights_dtype(directory: Path) -> torch.dtype:
     """The dtype of the weights in directory's model.safetensors (its first floating tensor), read from the file's
     header. Not the module's: these files are written by the checkpoint's writer thread while training goes on,
     and under strategy=fsdp with bf16/fp16 the module holds its unsharded half-precision copies mid-step."""
-    with safe_open(str(directory / "model.safetensors"), framework="pt") as weights:
+    path = directory / "model.safetensors"
+    with safe_open(str(path), framework="pt") as weights:
         dtypes = (SAFETENSORS_DTYPES.get(weights.get_slice(name).get_dtype()) for name in weights.keys())
-        return next(dtype for dtype in dtypes if dtype is not None)
+        found = next((dtype for dtype in dtypes if dtype is not None), None)
+    if found is None:
+        raise ValueError(f"{path} holds no tensor in {', '.join(map(str, SAFETENSORS_DTYPES.values()))}: no dtype "
+                         f"for its config.json")
+    return found

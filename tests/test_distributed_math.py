@@ -79,7 +79,8 @@ def eager_sync(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
 def test_one_gradient_sync_per_step_and_ranks_stay_identical(tmp_path: Path, request: pytest.FixtureRequest,
                                                              compile: bool) -> None:
     """Issue 2 tests 2-3, PITFALLS #3 and #17; with train.compile=true also PITFALLS #23 (issue 7)."""
-    ranks = probe(tmp_path, 2, "sync", *SYNC, "train.compile=true") if compile else request.getfixturevalue("eager_sync")
+    ranks = (probe(tmp_path, 2, "sync", *SYNC, "train.compile=true") if compile
+             else request.getfixturevalue("eager_sync"))
     r0, r1 = ranks
     assert r0["init_params"] == r1["init_params"]  # same initial weights on every rank
     assert r0["random_draw"] != r1["random_draw"]  # but per-rank noise for dropout/augmentation

@@ -199,8 +199,8 @@ def test_out_of_memory_inside_the_all_reduce_exits_and_the_next_start_halves(tmp
     resumes from step 8 with micro-batch 4, and the run ends equal to one that never ran out of memory."""
     run_dir, reference = tmp_path / "in-collective", unaccumulated
     # loss computations on rank 1: 1 probe trial, then one per step: the 10th is step 9
-    oom = ("train.micro_batch_size=auto", *UNACCUMULATED, "data.oom_rank=1", "data.oom_max_items=4", "data.oom_from_call=10",
-           "data.oom_in_backward=true", f"launcher.max_restarts={restarts}")
+    oom = ("train.micro_batch_size=auto", *UNACCUMULATED, "data.oom_rank=1", "data.oom_max_items=4",
+           "data.oom_from_call=10", "data.oom_in_backward=true", f"launcher.max_restarts={restarts}")
     log = launch(run_dir, *oom, expect=0 if restarts else OUT_OF_MEMORY_EXIT_CODE)
     where = "rank 1 ran out of memory in or after the gradient all-reduce of step 9"
     why = json.loads((run_dir / MICRO_BATCH_FILE).read_text())

@@ -1,8 +1,8 @@
 """train.ckpt_async: a checkpoint copied to host memory at its step, written by a thread while training goes on.
 
 Rank 0 copies the weights and the train state (the optimizer's moments too: the next step changes them in place)
-into host buffers it keeps from save to save, and under strategy=fsdp every rank its shards of the moments
-(launcher/train/sharded_checkpoint.py), pinned on CUDA: there the copies are queued on the GPU behind the
+into host buffers it keeps from save to save (under strategy=fsdp the weights it gathered are host copies already),
+and under strategy=fsdp every rank its shards of the moments (launcher/train/sharded_checkpoint.py), pinned on CUDA: there the copies are queued on the GPU behind the
 step, and the thread, not the training, waits for them. The thread then writes exactly what a synchronous save
 writes (launcher/train/checkpoint.py: temp dir, checksums, COMPLETE, rename), so a crash at any instant leaves the
 newest complete checkpoint, never a torn one that counts. A save waits for the one before it; the final save and
@@ -39,16 +39,20 @@ class BackgroundSave:
         self._error: BaseException | None = None
         self._step: int | None = None
 
-    def start(self, step: int, model: torch.nn.Module | None, train_state: dict[str, Any] | None,
+    def start(self, step: int, model: torch.nn.Module | HostWeights | None, train_state: dict[str, Any] | None,
               write: Callable[[HostWeights | None, dict[str, Any] | None, dict[str, Any] | None], None],
               moments: dict[str, Any] | None = None) -> None:
         """Wait for the save before (raising its error), copy this step's state, and write it in a thread. Under
-        strategy=fsdp the ranks but rank 0 have only `moments`, their shards (model and train_state None)."""
+        strategy=fsdp the ranks but rank 0 have only `moments`, their shards (model and train_state None), and rank
+        0's `model` is the weights it gathered (sharding.full_weights): host copies of their own, written as they are
+        (the caller keeps none of them)."""
         self.wait()
         shared: dict[tuple, torch.Tensor] = {}  # tied weights (an embedding and its decoder) stay one copy
-        weights = (model if model is None or isinstance(model, HostWeights)  # (fsdp's gathered weights: host copies
-                   else HostWeights({name: self._host(f"model/{name}", tensor, shared)  # of their own already)
-                                     for name, tensor in model.state_dict().items()}))
+        if model is None or isinstance(model, HostWeights):
+            weights = model
+        else:
+            weights = HostWeights({name: self._host(f"model/{name}", tensor, shared)
+                                   for name, tensor in model.state_dict().items()})
         state = None if train_state is None else self._copy(train_state, "state", shared)
         shards = None if moments is None else {key: sharded_checkpoint.on_host(value, self._host(
             f"moments/{key}", value.to_local(), shared)) for key, value in moments.items()}

@@ -1,5 +1,6 @@
 """The run's state: what the worker builds once (model, optimizer, plans, the run's helpers) and every part of the
 loop reads, in a module below them all (the loop, the micro-batch probe, eval). Built by launcher/train/worker.py.
+Exercised by: `python -m launcher +exp=toy`.
 """
 from __future__ import annotations
 
