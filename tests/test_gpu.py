@@ -67,7 +67,8 @@ def test_fsdp_on_one_gpu(tmp_path: Path, tiny_bert: Path, precision: str, compil
     summary = json.loads((run_dir / "summary.json").read_text())
     assert (summary["strategy"], summary["precision"]) == ("fsdp", precision) and summary["skipped_steps"] < 20
     assert summary["state_bytes_per_rank"]["optimizer"] > 0 and 0 <= summary["eval"]["accuracy"] <= 1
-    configs = [json.loads((run_dir / "checkpoints" / str(step) / "config.json").read_text()) for step in (5, 10, 15, 20)]
+    configs = [json.loads((run_dir / "checkpoints" / str(step) / "config.json").read_text())
+               for step in (5, 10, 15, 20)]
     assert [config.get("dtype", config.get("torch_dtype")) for config in configs] == ["float32"] * 4  # (transformers 4)
     transformers.AutoModelForSequenceClassification.from_pretrained(run_dir / "checkpoints" / "20")
     assert (summary.get("compiled_graphs", 0) >= 1) == compiled

@@ -2,11 +2,12 @@
 
 Rank 0 copies the weights and the train state (the optimizer's moments too: the next step changes them in place)
 into host buffers it keeps from save to save (under strategy=fsdp the weights it gathered are host copies already),
-and under strategy=fsdp every rank its shards of the moments (launcher/train/sharded_checkpoint.py), pinned on CUDA: there the copies are queued on the GPU behind the
-step, and the thread, not the training, waits for them. The thread then writes exactly what a synchronous save
-writes (launcher/train/checkpoint.py: temp dir, checksums, COMPLETE, rename), so a crash at any instant leaves the
-newest complete checkpoint, never a torn one that counts. A save waits for the one before it; the final save and
-a preemption's wait for their own. Exercised by: tests/test_background_save.py.
+and under strategy=fsdp every rank its shards of the moments (launcher/train/sharded_checkpoint.py), pinned on
+CUDA: there the copies are queued on the GPU behind the step, and the thread, not the training, waits for them.
+The thread then writes exactly what a synchronous save writes (launcher/train/checkpoint.py: temp dir, checksums,
+COMPLETE, rename), so a crash at any instant leaves the newest complete checkpoint, never a torn one that counts.
+A save waits for the one before it; the final save and a preemption's wait for their own. Exercised by:
+tests/test_background_save.py.
 """
 from __future__ import annotations
 
