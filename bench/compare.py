@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import signal
 import statistics
 import subprocess
 import sys
@@ -35,6 +36,28 @@ def checked(cmd: list[str]) -> subprocess.CompletedProcess:
 def per_step(stamps: list[float], log_every: int = LOG_EVERY) -> float:
     """Median seconds per step over the log intervals after the first (which holds the warm-up)."""
     return statistics.median((b - a) / log_every for a, b in zip(stamps[1:], stamps[2:]))
+
+
+def launch(overrides: list[str], run_dir: Path, stop_at: int | None = None,
+           env: dict[str, str] | None = None) -> tuple[str, int, float | None]:
+    """`python -m launcher +exp=bench <overrides>` in run_dir to its end, or with stop_at a Ctrl-C once that step is
+    logged (it saves a checkpoint, exit 75); its output, exit code, and seconds to its first log (with stop_at)."""
+    began = time.time()
+    proc = subprocess.Popen([sys.executable, "-m", "launcher", "+exp=bench", *overrides, f"hydra.run.dir={run_dir}"],
+                            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    first_log, metrics = None, run_dir / "metrics.jsonl"
+    while stop_at is not None and proc.poll() is None:
+        lines = metrics.read_text().splitlines() if metrics.exists() else []
+        steps = [json.loads(line)["step"] for line in lines if line.endswith("}")]
+        first_log = first_log or (time.time() - began if steps else None)
+        if steps and max(steps) >= stop_at:
+            proc.send_signal(signal.SIGINT)
+            break
+        time.sleep(0.1)
+    out, _ = proc.communicate()
+    if proc.returncode not in (0, 75):
+        sys.exit(f"the launcher failed ({proc.returncode}):\n{out[-4000:]}")
+    return out, proc.returncode, first_log
 
 
 def launcher_stamps(run_dir: Path) -> tuple[dict, list[float]]:

@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -22,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from compare import REPO, launcher_stamps, run_raw
+from compare import REPO, launch, launcher_stamps, run_raw
 from gpu import BERT_BASE, mfu
 
 ROW = "| {what} | {launcher} | {raw} | {ratio} | {mfu} | {first} | {note} |"
@@ -35,29 +33,12 @@ def launcher_run(run_dir: Path, args: argparse.Namespace, *overrides: str, stop_
                 f"train.micro_batch_size={args.micro}", f"train.global_batch_size={args.micro * args.accum}",
                 f"train.max_steps={args.steps}", f"train.log_every={args.log_every}")
     began = time.time()
-    proc = subprocess.Popen([sys.executable, "-m", "launcher", "+exp=bench", *workload, *overrides,
-                             f"hydra.run.dir={run_dir}"], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True)
-    first_log = None
-    if stop_at is not None:
-        metrics = run_dir / "metrics.jsonl"
-        while proc.poll() is None:
-            lines = metrics.read_text().splitlines() if metrics.exists() else []
-            steps = [json.loads(line)["step"] for line in lines if line.endswith("}")]
-            if steps and first_log is None:
-                first_log = time.time() - began
-            if steps and max(steps) >= stop_at:
-                proc.send_signal(signal.SIGINT)
-                break
-            time.sleep(0.1)
-    out, _ = proc.communicate()
-    if proc.returncode not in (0, 75):
-        sys.exit(f"the launcher failed ({proc.returncode}):\n{out[-4000:]}")
+    out, code, first_log = launch([*workload, *overrides], run_dir, stop_at)
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     logged = [r for r in records if "loss" in r]
     result = {"first_line": next((line for line in out.splitlines() if line.startswith("run dir")), ""),
               "out": out, "records": logged, "first_log_s": first_log}
-    if proc.returncode == 0:
+    if code == 0:
         summary, _ = launcher_stamps(run_dir)
         result.update(summary=summary, first_step_s=summary["first_step_unix_time"] - began)
     # the intervals after the first (compile, warm-up): samples/s as the launcher logs it

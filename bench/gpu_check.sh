@@ -13,6 +13,7 @@
 #   bash bench/gpu_check.sh memory [ARG...]         # there: python bench/activation_memory.py ARG... --out $OUT/...
 #   bash bench/gpu_check.sh host                    # there: python bench/host_path.py --gpu (data wait, checkpoint wait)
 #   bash bench/gpu_check.sh fsdp [ARG...]           # there: python bench/fsdp.py --gpu (fsdp vs ddp, BERT-base, bf16)
+#   bash bench/gpu_check.sh scope [ARG...]          # there: python bench/compile_scope.py --gpu (whole model vs blocks)
 #   bash bench/gpu_check.sh profile [PRECISION [VARIANT,...]]  # there: raw loop and launcher, eager/compiled, profiled
 #                                                   # (issue 40's next look: profile bf16 launcher-fsdp-eager,launcher-fsdp-compiled)
 # The machine (torch, transformers, tensorboard, rich, safetensors, pytest preinstalled; ../shared/GPU.md)
@@ -29,11 +30,11 @@
 # Only 8 files come back from $OUT (16 MiB each): a part writes at most 5 there, so two parts fit one call.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-parts="prepare|setup|gpu|suite|bert|bench|defaults|memory|host|fsdp|profile"
+parts="prepare|setup|gpu|suite|bert|bench|defaults|memory|host|fsdp|scope|profile"
 part=${1:?usage: bash bench/gpu_check.sh $parts [...]}
 shift
 case "$part" in  # a misspelt part stops here, before the installs spend a minute of the lease
-    prepare|setup|gpu|suite|bert|bench|defaults|memory|host|fsdp|profile) ;;
+    prepare|setup|gpu|suite|bert|bench|defaults|memory|host|fsdp|scope|profile) ;;
     *) echo "unknown part $part: one of $parts" >&2; exit 2 ;;
 esac
 out=${OUT:-gpu-out}
@@ -101,6 +102,9 @@ case "$part" in
     bench) python bench/compare.py "$@" --out "$out/RESULTS-GPU.md" 2>&1 | tee "$out/bench.log" ;;
     fsdp) # issue 40: strategy=fsdp against ddp, step time and memory, BERT-base bf16 on one GPU
         python bench/fsdp.py --gpu "$@" --out "$out/RESULTS-FSDP-GPU.md" 2>&1 | tee "$out/fsdp.log" ;;
+    scope) # train.compile_scope on BERT-base bf16: cold compile, restart and samples/s of eager, the whole model, each
+           # block (about 6 launches of 1-3 minutes: to choose the default compile scope on a GPU)
+        python bench/compile_scope.py --gpu "$@" --out "$out/RESULTS-COMPILE-SCOPE-GPU.md" 2>&1 | tee "$out/scope.log" ;;
     host) # issue 38: data_wait_frac and ckpt_wait_s of +exp=bench as BERT-base with the defaults
         python bench/host_path.py --gpu --out "$out/RESULTS-HOST-PATH-GPU.md" 2>&1 | tee "$out/host.log" ;;
     defaults) # issue 37: the launcher with no speed flags, its compiled restart, and eager per precision, beside the loop

@@ -14,10 +14,12 @@ from jobs.attention import use_sdpa_unmasked
 
 
 def bert_from_config(layers: int = 4, hidden: int = 256, heads: int = 4, vocab_size: int = 30522,
-                     max_length: int = 128, num_labels: int = 2, activation_checkpointing: bool = False) -> torch.nn.Module:
+                     max_length: int = 128, num_labels: int = 2, activation_checkpointing: bool = False,
+                     dropout: float = 0.1) -> torch.nn.Module:
     config = BertConfig(vocab_size=vocab_size, hidden_size=hidden, num_hidden_layers=layers,
                         num_attention_heads=heads, intermediate_size=4 * hidden,
-                        max_position_embeddings=max_length, num_labels=num_labels)
+                        max_position_embeddings=max_length, num_labels=num_labels,
+                        hidden_dropout_prob=dropout, attention_probs_dropout_prob=dropout)
     model = use_sdpa_unmasked(BertForSequenceClassification(config))  # no mask built when compiled (jobs/attention.py)
     return checkpoint_activations(model, activation_checkpointing)
 

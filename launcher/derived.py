@@ -54,7 +54,7 @@ COMPILE_MODES = ("default", "max-autotune-no-cudagraphs", *CUDA_GRAPH_MODES)
 NOT_TRAJECTORY = {"plan", "launcher", "dist", "strategy", "resume", "name", "logger"}
 NOT_TRAJECTORY_TRAIN = {"log_every", "eval_every", "ckpt_every", "ckpt_async", "keep_checkpoints", "num_workers",
                         "persistent_workers", "prefetch_factor", "compile", "compile_mode",
-                        "compile_dynamic", "compile_fullgraph", "compile_ddp_split", "max_bad_steps",
+                        "compile_dynamic", "compile_fullgraph", "compile_ddp_split", "compile_scope", "max_bad_steps",
                         "log_samples", "micro_batch_size", "max_micro_batch_size", "profile", "profile_ranks",
                         "straggler_ratio", "best_metric", "best_mode"}
 

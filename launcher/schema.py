@@ -86,6 +86,10 @@ class TrainConfig:
     # null: one graph on one node (fusion across the whole model; the all-reduce follows the backward), cut at
     # DDP's gradient buckets on several nodes (each bucket's all-reduce overlaps the backward); true/false forces it
     compile_ddp_split: Optional[bool] = None
+    # what is compiled: null: the strategy's own (ddp: the whole model, fsdp: each block); block (ddp): each block
+    # (strategy.block) on its own, one trace that every layer alike runs: a fraction of the whole model's compile
+    # time and of a restart's trace, without fusion across blocks (not yet measured on a GPU: bench/compile_scope.py)
+    compile_scope: Optional[str] = None
     # keep the compiled kernels in <run_dir>/compile_cache/, loaded by the run's next start (a restart, a
     # requeue on a node with an empty cache compiles nothing again)
     compile_cache: bool = True
@@ -172,8 +176,9 @@ class StrategyConfig:
     # fsdp only (conf/strategy/fsdp.yaml sets them): free a block's gathered weights after its forward and gather
     # them again for its backward (less memory, one more all-gather per block); false keeps them until the backward
     reshard_after_forward: Optional[bool] = None
-    # the class name of the modules sharded one by one (then the root); null: the model's own (transformers'
-    # _no_split_modules, e.g. BertLayer), else each Linear
+    # the class name of the model's blocks, which fsdp shards one by one (then the root) and
+    # train.compile_scope=block compiles; null: the model's own (transformers' _no_split_modules, else the layers of
+    # its stack, e.g. BertLayer), else each Linear
     block: Optional[str] = None
 
 

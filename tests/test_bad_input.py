@@ -71,6 +71,15 @@ CASES = {  # name: (overrides, or a function of tmp_path giving them; what the l
     "ddp split without compile": (["+exp=toy", "train.compile_ddp_split=false"],
                                   "train.compile_ddp_split=false has no effect: train.compile=auto compiles only on "
                                   "GPUs; add train.compile=true or drop train.compile_ddp_split"),
+    "unknown compile scope": (["+exp=toy", "train.compile=true", "train.compile_scope=layer"],
+                              "train.compile_scope=layer is not one of null, model, block"),
+    "compile scope without compile": (["+exp=toy", "train.compile_scope=block"],
+                                      "train.compile_scope=block has no effect: train.compile=auto compiles only on "
+                                      "GPUs; add train.compile=true or drop train.compile_scope"),
+    "ddp split of compiled blocks": (["+exp=toy", "train.compile=true", "train.compile_scope=block",
+                                      "train.compile_ddp_split=false"],
+                                     "train.compile_ddp_split=false cuts the whole model's graph, and "
+                                     "train.compile_scope=block compiles each block"),
     "cuda graphs with accumulation": (["+exp=toy", "train.compile=true", "train.compile_mode=reduce-overhead"],
                                       "(pytorch#169545), and with 2 ranks this run accumulates 2 micro-batches per "
                                       "step; set train.micro_batch_size to global_batch_size / world size"),

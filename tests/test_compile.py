@@ -97,6 +97,39 @@ def test_one_node_compiles_one_graph_that_trains_like_eager_and_the_split_stays_
     assert losses["null"] == pytest.approx(eager, rel=1e-5) and losses["true"] == pytest.approx(eager, rel=1e-5)
 
 
+def test_compile_scope_block_traces_one_layer_for_the_stack_uncut_inside_ddp_and_trains_like_eager(
+        tmp_path: Path) -> None:
+    """train.compile_scope=block compiles the embeddings and each BertLayer on their own (transformers'
+    _no_split_modules): two graphs, the three layers running one (dynamo traced one layer, the layers' weights its
+    inputs), neither cut though each layer (3 MB) is larger than DDP's 1 MB buckets (dynamo's DDPOptimizer would cut
+    it inside DDP's forward), and 2 ranks log eager's losses: DDP still all-reduces every gradient, accumulation
+    included."""
+    # (no dropout: inductor draws its random numbers otherwise than eager does)
+    layers = ("model.layers=3", "model.hidden=256", "model.heads=2", "model.dropout=0", "data.seq_len=32",
+              "data.n_samples=256", "dist.bucket_cap_mb=1", "train.max_steps=6", "train.log_every=2",
+              "train.global_batch_size=16", "train.micro_batch_size=4")
+    run_dir, out = compiled_run(tmp_path, "block", *layers, "train.compile_scope=block", exp="bench")
+    assert out.stdout.splitlines()[0].endswith("| compiled, each block"), out.stdout
+    assert "compile_scope=block: compiling 4 x BertEmbeddings/BertLayer (the model's _no_split_modules)" in out.stdout
+    assert [(m["compiled_graphs"], m["compiled_pieces"], m["graph_breaks"]) for m in logged(run_dir)] == [(2, 2, 0)] * 3
+    assert not compile_warnings(out)
+    out = run_cli("+exp=bench", *layers, f"hydra.run.dir={tmp_path / 'eager'}", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    eager = [m["loss"] for m in logged(tmp_path / "eager")]
+    assert [m["loss"] for m in logged(run_dir)] == pytest.approx(eager, rel=1e-5)
+
+
+def test_a_block_that_dynamo_leaves_eager_is_refused_in_one_line() -> None:
+    """The toy's blocks are torch's own Linear: compiling them would compile nothing."""
+    import torch
+
+    from launcher.train.compiled import compile_blocks
+
+    with pytest.raises(ValueError, match="Linear is torch's own module, which torch.compile leaves eager; name a "
+                                         "block class of the model with strategy.block=<class name>"):
+        compile_blocks([torch.nn.Linear(2, 2)], None, None, False)
+
+
 def test_two_nodes_keep_the_graph_cut_at_ddp_s_buckets(tmp_path: Path) -> None:
     """Across nodes the cuts pay: each bucket's all-reduce overlaps the rest of the backward. Two launchers of one
     worker each, as two nodes: train.compile=true keeps dynamo's split (compiled_pieces > 1)."""

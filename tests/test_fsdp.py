@@ -216,8 +216,10 @@ def test_fsdp_on_this_torch_trains_or_is_refused_in_one_line(tmp_path: Path, req
     (("strategy=fsdp", "train.compile=true", "train.global_batch_size=32", "train.micro_batch_size=16",
       "train.compile_mode=reduce-overhead"), "captures CUDA graphs, which FSDP2's gathers between the blocks break"),
     (("strategy=fsdp", "dist.comm_hook=fp16"), "dist.comm_hook=fp16 is DDP's and has no effect with strategy=fsdp"),
-    (("strategy.block=BertLayer",), "strategy.block=BertLayer has no effect with strategy=ddp"),
-], ids=["ddp-split", "cuda-graphs", "comm-hook", "ddp-block"])
+    (("strategy.block=BertLayer",), "strategy.block=BertLayer has no effect with strategy=ddp unless "
+                                    "train.compile_scope=block compiles the blocks"),
+    (("strategy=fsdp", "train.compile=true", "train.compile_scope=model"), "strategy=fsdp compiles each block"),
+], ids=["ddp-split", "cuda-graphs", "comm-hook", "ddp-block", "whole-model"])
 def test_what_fsdp_cannot_do_is_refused_in_the_parent(overrides: tuple[str, ...], message: str) -> None:
     cfg = compose_config("+exp=toy", *overrides)
     with pytest.raises(ConfigError, match=message):

@@ -64,7 +64,7 @@ def speed_line(config: dict, plan: Plan) -> str:
     mode = "compiled" if train["compile"] is True else "eager"
     split = {True: ", cut at DDP's buckets", False: ", one graph"}.get(train["compile_ddp_split"], "") \
         if train["compile"] is True else ""
-    if train["compile"] is True and config["strategy"]["name"] == "fsdp":
+    if train["compile"] is True and (config["strategy"]["name"] == "fsdp" or train["compile_scope"] == "block"):
         split = ", each block"
     sharded = f" | strategy fsdp: {SHARDING_RULE}" if config["strategy"]["name"] == "fsdp" else ""
     return f"{precision} | {mode}{' (auto)' if 'compile' in auto else ''}{split}{sharded}"

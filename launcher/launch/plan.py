@@ -119,7 +119,8 @@ def _choose(cfg: DictConfig, device_type: str, capabilities: list[tuple[int, int
         raise ConfigError(f"train.compile={compile_} is not one of true, false, auto")
     if compile_ == "auto":  # strategy=fsdp compiles its blocks only when told: not yet measured on a GPU
         chosen["compile"] = device_type == "cuda" and ddp
-    if ddp and cfg.train.compile_ddp_split is None and chosen.get("compile", compile_) is True:
+    if ddp and cfg.train.compile_ddp_split is None and chosen.get("compile", compile_) is True and \
+            cfg.train.compile_scope != "block":
         chosen["compile_ddp_split"] = auto_ddp_split(nnodes)
     return chosen
 
@@ -201,10 +202,12 @@ def _check_compile(train: DictConfig, compiles: bool, accumulations: dict[int, i
     mode = train.compile_mode
     if mode is not None and mode not in COMPILE_MODES:
         raise ConfigError(f"train.compile_mode={mode} is not one of null, {', '.join(COMPILE_MODES)}")
+    if train.compile_scope not in (None, "model", "block"):
+        raise ConfigError(f"train.compile_scope={train.compile_scope} is not one of null, model, block")
     if not compiles:
         why = "train.compile=auto compiles only on GPUs" if train.compile == "auto" else "without train.compile=true"
         for key, unset in (("compile_mode", None), ("compile_dynamic", None), ("compile_fullgraph", False),
-                           ("compile_ddp_split", None)):
+                           ("compile_ddp_split", None), ("compile_scope", None)):
             if train[key] != unset:
                 value = str(train[key]).lower() if isinstance(train[key], bool) else train[key]
                 raise ConfigError(f"train.{key}={value} has no effect: {why}; add train.compile=true or drop "

@@ -1,4 +1,4 @@
-"""strategy=ddp / strategy=fsdp checked in the parent: the keys of the other strategy, and what fsdp cannot do.
+"""strategy=ddp / strategy=fsdp checked in the parent: the other's keys, what fsdp cannot do, train.compile_scope.
 
 Exercised by: tests/test_fsdp.py (`python -m launcher +exp=toy strategy=fsdp dist.comm_hook=fp16`: refused).
 """
@@ -20,12 +20,23 @@ def check_strategy(cfg: DictConfig, device_type: str, compiles: bool) -> None:
     (`compiles`: what train.compile, after auto, says)."""
     strategy = cfg.strategy
     name = getattr(strategy.name, "value", strategy.name)  # Enum when typed
+    scope = cfg.train.compile_scope
     if name == "ddp":
-        for key in ("reshard_after_forward", "block"):
-            if strategy[key] is not None:
-                raise ConfigError(f"strategy.{key}={strategy[key]} has no effect with strategy=ddp; add "
-                                  f"strategy=fsdp, or drop strategy.{key}")
+        if strategy.reshard_after_forward is not None:
+            raise ConfigError(f"strategy.reshard_after_forward={strategy.reshard_after_forward} has no effect with "
+                              f"strategy=ddp; add strategy=fsdp, or drop strategy.reshard_after_forward")
+        if strategy.block is not None and not (compiles and scope == "block"):
+            raise ConfigError(f"strategy.block={strategy.block} has no effect with strategy=ddp unless "
+                              f"train.compile_scope=block compiles the blocks; add strategy=fsdp or "
+                              f"train.compile_scope=block, or drop strategy.block")
+        if scope == "block" and cfg.train.compile_ddp_split is not None:
+            raise ConfigError(f"train.compile_ddp_split={str(cfg.train.compile_ddp_split).lower()} cuts the whole "
+                              f"model's graph, and train.compile_scope=block compiles each block (DDP all-reduces "
+                              f"as their backwards end): drop one of them")
         return
+    if scope == "model":
+        raise ConfigError("train.compile_scope=model: strategy=fsdp compiles each block (FSDP2 gathers the weights "
+                          "between them); drop train.compile_scope, or use strategy=ddp")
     if device_type == "cpu" and not FSDP2_ON_CPU:
         raise ConfigError(f"strategy=fsdp on CPU workers needs torch 2.7 or newer (FSDP2 records events on the CPU's "
                           f"stream, pytorch#145935), and this is torch {torch.__version__}: upgrade torch, or use "

@@ -37,6 +37,24 @@ def compile_module(model: torch.nn.Module, mode: str | None, dynamic: bool | Non
     return torch.compile(model, mode=mode, dynamic=dynamic, fullgraph=fullgraph)
 
 
+def compile_blocks(found: list[torch.nn.Module], mode: str | None, dynamic: bool | None, fullgraph: bool) -> None:
+    """Each block's forward compiled in place (strategy=fsdp; train.compile_scope=block under DDP), the regional
+    compilation of torch's recipes and torchtitan: the layers of a stack run one code, and their weights are the
+    graph's inputs (dynamo inlines torch.nn modules), so dynamo traces and inductor compiles one layer, which every
+    layer then runs: a cold compile and a restart's trace cost one layer's time, not the stack's. Names and
+    state_dict keys stay. Inside DDP's forward dynamo would also cut each block at DDP's buckets (DDPOptimizer):
+    here the block is the unit, and DDP all-reduces its buckets as the blocks' backwards end. dynamo leaves
+    torch's own modules (the each-Linear rule of launcher/train/sharding.py) eager: such blocks are refused."""
+    builtin = sorted({type(m).__name__ for m in found if type(m).__module__.startswith("torch.")})
+    if builtin:
+        raise ValueError(f"train.compile=true compiles each block here (strategy=fsdp, train.compile_scope=block), "
+                         f"and {'/'.join(builtin)} is torch's own module, which torch.compile leaves eager; name a "
+                         f"block class of the model with strategy.block=<class name>, or use train.compile=false")
+    torch._dynamo.config.optimize_ddp = False
+    for module in found:
+        module.compile(mode=mode, dynamic=dynamic, fullgraph=fullgraph)
+
+
 def cannot_compile(device: torch.device) -> str | None:
     """train.compile=auto: why this machine cannot compile, or None. A small function's forward and backward
     compiled on the device finds a toolchain inductor lacks (Triton for a GPU, a C++ compiler for the CPU) in a

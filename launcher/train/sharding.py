@@ -26,7 +26,8 @@ RULE = ("each block: transformers' _no_split_modules, else the layers of the mod
 
 
 def blocks(model: nn.Module, block: str | None) -> tuple[list[nn.Module], str]:
-    """The modules sharded one by one (outermost first: none inside another), and what found them (RULE)."""
+    """The model's blocks (outermost first: none inside another), and what found them (RULE): fsdp shards them one
+    by one, and train.compile_scope=block compiles them."""
     named = next((m._no_split_modules for m in model.modules() if getattr(m, "_no_split_modules", None)), None)
     stack = next((m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m)
                   and len({type(layer) for layer in m}) == 1), None)  # a transformer's layers: all one class
@@ -55,19 +56,19 @@ def blocks(model: nn.Module, block: str | None) -> tuple[list[nn.Module], str]:
             found.append(module)
             inside.update(id(m) for m in module.modules())
     if not found:
-        raise ValueError(f"strategy=fsdp: the model has no module of class {' or '.join(sorted(names))} ({why}); "
+        raise ValueError(f"the model has no module of class {' or '.join(sorted(names))} ({why}); "
                          f"name its block class with strategy.block=<class name>")
     kinds = sorted({type(m).__name__ for m in found})
-    return found, f"{len(found)} x {'/'.join(kinds)} ({why}), then the root"
+    return found, f"{len(found)} x {'/'.join(kinds)} ({why})"
 
 
 def shard(model: nn.Module, reshard_after_forward: bool, block: str | None, precision: Precision,
-          device: torch.device, world_size: int, compile_block: Callable[[nn.Module], None] | None = None) -> str:
+          device: torch.device, world_size: int,
+          compile_blocks: Callable[[list[nn.Module]], None] | None = None) -> str:
     """fully_shard the model in place (each block, then the root); what was sharded, in words.
 
-    `compile_block` (train.compile): each block's forward is compiled in place first, torchtitan's way: FSDP2's
-    gathers and reduce-scatters run eagerly between the compiled blocks, whose names and state_dict keys stay.
-    dynamo leaves torch's own modules (the each-Linear rule) eager: such blocks are refused here.
+    `compile_blocks` (train.compile): the blocks' forwards are compiled in place first, torchtitan's way
+    (launcher/train/compiled.py): FSDP2's gathers and reduce-scatters run eagerly between the compiled blocks.
 
     Under bf16/fp16 the gathered weights are cast to that dtype once per gather (FSDP2's mixed precision: half
     the all-gather's bytes) and gradients are reduced in float32; the shards, and so the optimizer, stay in the
@@ -82,18 +83,12 @@ def shard(model: nn.Module, reshard_after_forward: bool, block: str | None, prec
     policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32 if dtype else None)
     mesh = init_device_mesh(device.type, (world_size,))
     found, said = blocks(model, block)
-    if compile_block:
-        builtin = sorted({type(m).__name__ for m in found if type(m).__module__.startswith("torch.")})
-        if builtin:
-            raise ValueError(f"train.compile=true under strategy=fsdp compiles each block, and {'/'.join(builtin)} "
-                             f"is torch's own module, which torch.compile leaves eager; name a block class of "
-                             f"the model with strategy.block=<class name>, or use train.compile=false")
-        for module in found:
-            compile_block(module)
+    if compile_blocks:
+        compile_blocks(found)
     for module in found:
         fully_shard(module, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy)
     fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy)
-    return said
+    return f"{said}, then the root"
 
 
 def is_sharded(model: nn.Module) -> bool:

@@ -29,7 +29,8 @@ from launcher.train import dist as launcher_dist
 from launcher.train.background_save import BackgroundSave
 from launcher.train.best import Best
 from launcher.train.compile_cache import CompileCache
-from launcher.train.compiled import CompileWatch, cannot_compile, compile_module, failures_in_one_line
+from launcher.train.compiled import (CompileWatch, cannot_compile, compile_blocks, compile_module,
+                                     failures_in_one_line)
 from launcher.train.data import DataPlan, rank_seed, seed_all
 from launcher.train.job import build_part, check_task
 from launcher.train.ledger import Progress
@@ -72,17 +73,22 @@ def build(cfg: DictConfig, run_dir: Path, env: launcher_dist.DistEnv) -> Run:
     compile_cache = CompileCache(run_dir, env.local_rank, env.device, train_cfg.compile and train_cfg.compile_cache)
     compile_cache.load(lambda message: print(message, file=sys.stderr, flush=True))  # before anything compiles
     compiling = train_cfg.compile and not compile_turned_off(cfg, env)
+    by_block = compiling and (cfg.strategy.name == "fsdp" or train_cfg.compile_scope == "block")
+    compile_each = (lambda found: compile_blocks(found, train_cfg.compile_mode, train_cfg.compile_dynamic,
+                                                 train_cfg.compile_fullgraph)) if by_block else None
     if cfg.strategy.name == "fsdp":  # (the parent lets no DDP key or graph split through)
-        compile_block = (lambda block: block.compile(mode=train_cfg.compile_mode, dynamic=train_cfg.compile_dynamic,
-                                                     fullgraph=train_cfg.compile_fullgraph)) if compiling else None
-        sharded = sharding.shard(model, cfg.strategy.reshard_after_forward, cfg.strategy.block, precision, env.device,
-                                 env.world_size, compile_block)
+        said = "strategy=fsdp: sharded " + sharding.shard(model, cfg.strategy.reshard_after_forward, cfg.strategy.block,
+                                                           precision, env.device, env.world_size, compile_each)
         trained = model  # its forward gathers each block's weights
     else:
-        sharded = None
+        said = None
+        if compile_each:  # train.compile_scope=block: DDP wraps the model whose blocks are compiled
+            found, rule = sharding.blocks(model, cfg.strategy.block)
+            compile_each(found)
+            said = f"train.compile_scope=block: compiling {rule}"
         trained = wrap_ddp(cfg.dist, env, compile_module(model, train_cfg.compile_mode, train_cfg.compile_dynamic,
                                                      train_cfg.compile_fullgraph, train_cfg.compile_ddp_split)
-                       if compiling else model)
+                       if compiling and not by_block else model)
     seed_all(train_cfg.seed * 1_000_003 + env.rank)  # dropout/augmentation noise differs per rank
     fused = {"fused": True} if _takes_fused(cfg.optimizer) else {}
     # _convert_: plain lists (betas) in the optimizer's state, so checkpoints load with weights_only=True
@@ -121,8 +127,8 @@ def build(cfg: DictConfig, run_dir: Path, env: launcher_dist.DistEnv) -> Run:
               sync_check=SyncCheck(train_cfg.sync_check, env.device), best=best_eval(task, train_cfg),
               background_save=BackgroundSave(env.device) if train_cfg.ckpt_async else None,
               profiler=StepProfiler(run_dir, env.rank, train_cfg.profile, list(train_cfg.profile_ranks), env.device))
-    if sharded:
-        run.log.info(f"strategy=fsdp: sharded {sharded}")
+    if said:
+        run.log.info(said)
     if "pretrained" in sources["model"]:
         run.log.info(f"model.pretrained={cfg.model.pretrained}: from checkpoint {sources['model']['pretrained']}")
     return run
