@@ -30,12 +30,16 @@ class RandomTokens:
     eval_sum_keys = ("loss_sum", "count")
 
     def __init__(self, n_samples: int = 4096, seq_len: int = 128, vocab_size: int = 30522, num_labels: int = 2,
-                 seed: int = 0):
+                 seed: int = 0, n_eval: int = 0):
         generator = torch.Generator().manual_seed(seed)
-        self.input_ids = torch.randint(1000, vocab_size, (n_samples, seq_len), generator=generator)
-        self.labels = torch.randint(0, num_labels, (n_samples,), generator=generator)
+        ids = [torch.randint(1000, vocab_size, (n_samples, seq_len), generator=generator)]
+        labels = [torch.randint(0, num_labels, (n_samples,), generator=generator)]
+        if n_eval:  # drawn after the train set's, which stays the same with or without an eval set
+            ids.append(torch.randint(1000, vocab_size, (n_eval, seq_len), generator=generator))
+            labels.append(torch.randint(0, num_labels, (n_eval,), generator=generator))
+        self.input_ids, self.labels = torch.cat(ids), torch.cat(labels)
         self.train_set = list(range(n_samples))
-        self.eval_set = None
+        self.eval_set = list(range(n_samples, n_samples + n_eval)) or None
 
     def collate(self, indices: list[int]) -> dict[str, torch.Tensor]:
         ids = self.input_ids[indices]

@@ -86,9 +86,10 @@ class TrainConfig:
     # null: one graph on one node (fusion across the whole model; the all-reduce follows the backward), cut at
     # DDP's gradient buckets on several nodes (each bucket's all-reduce overlaps the backward); true/false forces it
     compile_ddp_split: Optional[bool] = None
-    # what is compiled: null: the strategy's own (ddp: the whole model, fsdp: each block); block (ddp): each block
-    # (strategy.block) on its own, one trace that every layer alike runs: a fraction of the whole model's compile
-    # time and of a restart's trace, without fusion across blocks (not yet measured on a GPU: bench/compile_scope.py)
+    # what is compiled: null: the strategy's own (ddp: the whole model, fsdp: each block); model (ddp): the whole
+    # model; block (ddp): each block (strategy.block) on its own, one trace that every layer alike runs: a fraction
+    # of the whole model's compile time, without fusion across blocks (not yet measured on a GPU:
+    # bench/compile_scope.py); the eval runs the blocks eagerly
     compile_scope: Optional[str] = None
     # keep the compiled kernels in <run_dir>/compile_cache/, loaded by the run's next start (a restart, a
     # requeue on a node with an empty cache compiles nothing again)

@@ -76,6 +76,10 @@ CASES = {  # name: (overrides, or a function of tmp_path giving them; what the l
     "compile scope without compile": (["+exp=toy", "train.compile_scope=block"],
                                       "train.compile_scope=block has no effect: train.compile=auto compiles only on "
                                       "GPUs; add train.compile=true or drop train.compile_scope"),
+    "compile scope of fsdp left eager": (["+exp=toy", "launcher=slurm", "launcher.device=auto",
+                                          "launcher.gpus_per_node=2", "strategy=fsdp", "train.compile_scope=block"],
+                                         "train.compile_scope=block has no effect: train.compile=auto leaves "
+                                         "strategy=fsdp eager; add train.compile=true or drop train.compile_scope"),
     "ddp split of compiled blocks": (["+exp=toy", "train.compile=true", "train.compile_scope=block",
                                       "train.compile_ddp_split=false"],
                                      "train.compile_ddp_split=false cuts the whole model's graph, and "

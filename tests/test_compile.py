@@ -102,12 +102,12 @@ def test_compile_scope_block_traces_one_layer_for_the_stack_uncut_inside_ddp_and
     """train.compile_scope=block compiles the embeddings and each BertLayer on their own (transformers'
     _no_split_modules): two graphs, the three layers running one (dynamo traced one layer, the layers' weights its
     inputs), neither cut though each layer (3 MB) is larger than DDP's 1 MB buckets (dynamo's DDPOptimizer would cut
-    it inside DDP's forward), and 2 ranks log eager's losses: DDP still all-reduces every gradient, accumulation
-    included."""
+    it inside DDP's forward), nor compiled again by the evals (they run the blocks eagerly), and 2 ranks log eager's
+    losses and evals: DDP still all-reduces every gradient, accumulation included."""
     # (no dropout: inductor draws its random numbers otherwise than eager does)
     layers = ("model.layers=3", "model.hidden=256", "model.heads=2", "model.dropout=0", "data.seq_len=32",
-              "data.n_samples=256", "dist.bucket_cap_mb=1", "train.max_steps=6", "train.log_every=2",
-              "train.global_batch_size=16", "train.micro_batch_size=4")
+              "data.n_samples=256", "data.n_eval=16", "dist.bucket_cap_mb=1", "train.max_steps=6", "train.log_every=2",
+              "train.eval_every=2", "train.global_batch_size=16", "train.micro_batch_size=4")
     run_dir, out = compiled_run(tmp_path, "block", *layers, "train.compile_scope=block", exp="bench")
     assert out.stdout.splitlines()[0].endswith("| compiled, each block"), out.stdout
     assert "compile_scope=block: compiling 4 x BertEmbeddings/BertLayer (the model's _no_split_modules)" in out.stdout
@@ -117,6 +117,8 @@ def test_compile_scope_block_traces_one_layer_for_the_stack_uncut_inside_ddp_and
     assert out.returncode == 0, out.stderr[-3000:]
     eager = [m["loss"] for m in logged(tmp_path / "eager")]
     assert [m["loss"] for m in logged(run_dir)] == pytest.approx(eager, rel=1e-5)
+    evals = [[m["eval"]["loss"] for m in read_metrics(run) if "eval" in m] for run in (run_dir, tmp_path / "eager")]
+    assert len(evals[0]) == 3 and evals[0] == pytest.approx(evals[1], rel=1e-5), evals
 
 
 def test_a_block_that_dynamo_leaves_eager_is_refused_in_one_line() -> None:
@@ -125,9 +127,10 @@ def test_a_block_that_dynamo_leaves_eager_is_refused_in_one_line() -> None:
 
     from launcher.train.compiled import compile_blocks
 
-    with pytest.raises(ValueError, match="Linear is torch's own module, which torch.compile leaves eager; name a "
-                                         "block class of the model with strategy.block=<class name>"):
-        compile_blocks([torch.nn.Linear(2, 2)], None, None, False)
+    with pytest.raises(ValueError, match=r"Linear is torch's own module, which torch.compile leaves eager; name a "
+                                         r"block class of the model with strategy.block=<class name>, or drop "
+                                         r"train.compile_scope \(the whole model compiles\)"):
+        compile_blocks([torch.nn.Linear(2, 2)], train=None, sharded=False)
 
 
 def test_two_nodes_keep_the_graph_cut_at_ddp_s_buckets(tmp_path: Path) -> None:

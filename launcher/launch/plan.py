@@ -189,14 +189,14 @@ def make_plan(cfg: DictConfig) -> Plan:
     _check_profile(cfg.train.profile, list(cfg.train.profile_ranks), cfg.train.max_steps, world_size)
     # elastic: every world the run may go on with must divide the batch (the last one is this plan's)
     accumulations = {nodes * nproc: _accumulation(cfg, nodes * nproc) for nodes in range(fewest, nnodes + 1)}
-    _check_compile(cfg.train, auto.get("compile", cfg.train.compile), accumulations)
+    _check_compile(cfg.train, auto.get("compile", cfg.train.compile), accumulations, device_type)
     check_strategy(cfg, device_type, auto.get("compile", cfg.train.compile) is True)
     return Plan(nnodes=nnodes, nproc_per_node=nproc, world_size=world_size,
                 grad_accum_steps=accumulations[world_size], device_type=device_type,
                 min_nnodes=fewest if fewest < nnodes else None, auto=auto or None)
 
 
-def _check_compile(train: DictConfig, compiles: bool, accumulations: dict[int, int | None]) -> None:
+def _check_compile(train: DictConfig, compiles: bool, accumulations: dict[int, int | None], device_type: str) -> None:
     """train.compile_* only when the model compiles; CUDA-graph modes only without accumulation, in every
     world size the run may have (accumulations: world size -> micro-batches per step, None for auto)."""
     mode = train.compile_mode
@@ -205,7 +205,10 @@ def _check_compile(train: DictConfig, compiles: bool, accumulations: dict[int, i
     if train.compile_scope not in (None, "model", "block"):
         raise ConfigError(f"train.compile_scope={train.compile_scope} is not one of null, model, block")
     if not compiles:
-        why = "train.compile=auto compiles only on GPUs" if train.compile == "auto" else "without train.compile=true"
+        why = "without train.compile=true"
+        if train.compile == "auto":  # auto compiles strategy=ddp on GPUs (fsdp compiled: not yet measured there)
+            why = "train.compile=auto compiles only on GPUs" if device_type != "cuda" else \
+                "train.compile=auto leaves strategy=fsdp eager"
         for key, unset in (("compile_mode", None), ("compile_dynamic", None), ("compile_fullgraph", False),
                            ("compile_ddp_split", None), ("compile_scope", None)):
             if train[key] != unset:

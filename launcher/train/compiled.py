@@ -37,7 +37,7 @@ def compile_module(model: torch.nn.Module, mode: str | None, dynamic: bool | Non
     return torch.compile(model, mode=mode, dynamic=dynamic, fullgraph=fullgraph)
 
 
-def compile_blocks(found: list[torch.nn.Module], mode: str | None, dynamic: bool | None, fullgraph: bool) -> None:
+def compile_blocks(found: list[torch.nn.Module], train: Any, sharded: bool) -> None:
     """Each block's forward compiled in place (strategy=fsdp; train.compile_scope=block under DDP), the regional
     compilation of torch's recipes and torchtitan: the layers of a stack run one code, and their weights are the
     graph's inputs (dynamo inlines torch.nn modules), so dynamo traces and inductor compiles one layer, which every
@@ -47,12 +47,14 @@ def compile_blocks(found: list[torch.nn.Module], mode: str | None, dynamic: bool
     torch's own modules (the each-Linear rule of launcher/train/sharding.py) eager: such blocks are refused."""
     builtin = sorted({type(m).__name__ for m in found if type(m).__module__.startswith("torch.")})
     if builtin:
-        raise ValueError(f"train.compile=true compiles each block here (strategy=fsdp, train.compile_scope=block), "
-                         f"and {'/'.join(builtin)} is torch's own module, which torch.compile leaves eager; name a "
-                         f"block class of the model with strategy.block=<class name>, or use train.compile=false")
+        why, other = (("strategy=fsdp", "use train.compile=false") if sharded else
+                      ("train.compile_scope=block", "drop train.compile_scope (the whole model compiles)"))
+        raise ValueError(f"train.compile=true with {why} compiles each block, and {'/'.join(builtin)} is torch's own "
+                         f"module, which torch.compile leaves eager; name a block class of the model with "
+                         f"strategy.block=<class name>, or {other}")
     torch._dynamo.config.optimize_ddp = False
-    for module in found:
-        module.compile(mode=mode, dynamic=dynamic, fullgraph=fullgraph)
+    for module in found:  # (train: the config's train.compile_* keys)
+        module.compile(mode=train.compile_mode, dynamic=train.compile_dynamic, fullgraph=train.compile_fullgraph)
 
 
 def cannot_compile(device: torch.device) -> str | None:

@@ -26,10 +26,10 @@ def evaluate(run: Run) -> dict[str, float]:
     module = run.module  # the bare module: DDP's forward could enter collectives unevenly here (FSDP's module
     # enters its all-gathers in every forward: every rank runs as many as rank 0)
     module.eval()
-    # strategy=fsdp compiles its blocks in place (launcher/train/sharding.py): no_grad forwards would compile
-    # them again, for the eval alone; they run eagerly, as DDP's bare module does
-    compiled_blocks = sharding.is_sharded(module) and run.compile_watch.enabled
-    with torch.compiler.set_stance("force_eager") if compiled_blocks else nullcontext():
+    # Blocks compiled in place (strategy=fsdp, train.compile_scope=block: launcher/train/compiled.py) would compile
+    # again for the eval's no_grad forwards, for the eval alone: they run eagerly, as the bare module of a whole
+    # compiled model does
+    with torch.compiler.set_stance("force_eager") if run.compile_watch.enabled else nullcontext():
         metrics = _sums(run, module)
     module.train()
     return metrics

@@ -74,8 +74,7 @@ def build(cfg: DictConfig, run_dir: Path, env: launcher_dist.DistEnv) -> Run:
     compile_cache.load(lambda message: print(message, file=sys.stderr, flush=True))  # before anything compiles
     compiling = train_cfg.compile and not compile_turned_off(cfg, env)
     by_block = compiling and (cfg.strategy.name == "fsdp" or train_cfg.compile_scope == "block")
-    compile_each = (lambda found: compile_blocks(found, train_cfg.compile_mode, train_cfg.compile_dynamic,
-                                                 train_cfg.compile_fullgraph)) if by_block else None
+    compile_each = (lambda found: compile_blocks(found, train_cfg, cfg.strategy.name == "fsdp")) if by_block else None
     if cfg.strategy.name == "fsdp":  # (the parent lets no DDP key or graph split through)
         said = "strategy=fsdp: sharded " + sharding.shard(model, cfg.strategy.reshard_after_forward, cfg.strategy.block,
                                                            precision, env.device, env.world_size, compile_each)
