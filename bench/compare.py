@@ -39,9 +39,11 @@ def per_step(stamps: list[float], log_every: int = LOG_EVERY) -> float:
 
 
 def launch(overrides: list[str], run_dir: Path, stop_at: int | None = None,
-           env: dict[str, str] | None = None) -> tuple[str, int, float | None]:
+           env: dict[str, str] | None = None) -> dict:
     """`python -m launcher +exp=bench <overrides>` in run_dir to its end, or with stop_at a Ctrl-C once that step is
-    logged (it saves a checkpoint, exit 75); its output, exit code, and seconds to its first log (with stop_at)."""
+    logged (it saves a checkpoint, exit 75). Its output; its logged steps (`records`) and the median samples/s of
+    the intervals after the first (compile, warm-up); with stop_at the seconds to its first log; after a whole run
+    its summary and the seconds to its first step."""
     began = time.time()
     proc = subprocess.Popen([sys.executable, "-m", "launcher", "+exp=bench", *overrides, f"hydra.run.dir={run_dir}"],
                             cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -57,7 +59,15 @@ def launch(overrides: list[str], run_dir: Path, stop_at: int | None = None,
     out, _ = proc.communicate()
     if proc.returncode not in (0, 75):
         sys.exit(f"the launcher failed ({proc.returncode}):\n{out[-4000:]}")
-    return out, proc.returncode, first_log
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    logged = [r for r in records if "loss" in r]
+    rates = sorted(r["samples_per_sec"] for r in logged[1:])
+    result = {"out": out, "records": logged, "first_log_s": first_log,
+              "samples_per_s": rates[len(rates) // 2] if rates else None, "summary": {}, "first_step_s": None}
+    if proc.returncode == 0:
+        summary, _ = launcher_stamps(run_dir)
+        result.update(summary=summary, first_step_s=summary["first_step_unix_time"] - began)
+    return result
 
 
 def launcher_stamps(run_dir: Path) -> tuple[dict, list[float]]:

@@ -11,10 +11,8 @@ Run: python bench/compile_scope.py  (CPU: BERT 12 x 128, one rank; on a GPU: --g
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import tempfile
-import time
 from pathlib import Path
 
 import torch
@@ -35,15 +33,7 @@ def start(run_dir: Path, tmp: Path, args: argparse.Namespace, scope: str, stop_a
     tmp.mkdir()
     env = {**os.environ, "TMPDIR": str(tmp)}  # inductor's machine cache is under TMPDIR: empty, as on a new node
     env.pop("TORCHINDUCTOR_CACHE_DIR", None)
-    began = time.time()
-    _, code, first_log = launch([*workload, *SCOPES[scope]], run_dir, stop_at, env)
-    logged = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    logged = [r for r in logged if "loss" in r]
-    rates = sorted(r["samples_per_sec"] for r in logged[1:])
-    summary = json.loads((run_dir / "summary.json").read_text()) if code == 0 else {}
-    return {"first_log_s": first_log, "samples_per_s": rates[len(rates) // 2] if rates else None,
-            "first_step_s": summary["first_step_unix_time"] - began if summary else None, "summary": summary,
-            "last": logged[-1] if logged else {}}
+    return launch([*workload, *SCOPES[scope]], run_dir, stop_at, env)
 
 
 def main() -> None:
@@ -76,7 +66,7 @@ def main() -> None:
             run_dir = Path(work) / scope
             cold = start(run_dir, Path(work) / f"{scope}-tmp1", args, scope, args.stop_at)
             restart = start(run_dir, Path(work) / f"{scope}-tmp2", args, scope, None)
-            last = cold["last"]
+            last = cold["records"][-1]
             graphs = f"{last['compiled_graphs']}, {last['compiled_pieces']}" if "compiled_graphs" in last else "-"
             lines.append(f"| {scope} | {cold['first_log_s']:.1f} | {restart['first_step_s']:.1f} | "
                          f"{cold['samples_per_s']:.1f} | {graphs} | "

@@ -12,14 +12,12 @@ Run (GPU): python bench/defaults.py --out bench/RESULTS-DEFAULTS.md
 from __future__ import annotations
 
 import argparse
-import json
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 
-from compare import REPO, launch, launcher_stamps, run_raw
+from compare import REPO, launch, run_raw
 from gpu import BERT_BASE, mfu
 
 ROW = "| {what} | {launcher} | {raw} | {ratio} | {mfu} | {first} | {note} |"
@@ -31,18 +29,8 @@ def launcher_run(run_dir: Path, args: argparse.Namespace, *overrides: str, stop_
                 f"model.heads={BERT_BASE['heads']}", f"data.seq_len={BERT_BASE['seq_len']}", "data.n_samples=8192",
                 f"train.micro_batch_size={args.micro}", f"train.global_batch_size={args.micro * args.accum}",
                 f"train.max_steps={args.steps}", f"train.log_every={args.log_every}")
-    began = time.time()
-    out, code, first_log = launch([*workload, *overrides], run_dir, stop_at)
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    logged = [r for r in records if "loss" in r]
-    result = {"first_line": next((line for line in out.splitlines() if line.startswith("run dir")), ""),
-              "out": out, "records": logged, "first_log_s": first_log}
-    if code == 0:
-        summary, _ = launcher_stamps(run_dir)
-        result.update(summary=summary, first_step_s=summary["first_step_unix_time"] - began)
-    # the intervals after the first (compile, warm-up): samples/s as the launcher logs it
-    rates = [r["samples_per_sec"] for r in logged[1:]]
-    result["samples_per_s"] = sorted(rates)[len(rates) // 2] if rates else None
+    result = launch([*workload, *overrides], run_dir, stop_at)
+    result["first_line"] = next((line for line in result["out"].splitlines() if line.startswith("run dir")), "")
     return result
 
 
