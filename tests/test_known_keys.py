@@ -18,6 +18,8 @@ NOTHING_READS = "is a key nothing reads (a typo, or one added with + that no sch
     ("+launcher.nprocs=1", "did you mean launcher.nproc_per_node?"),
     ("+data.n_sampels=3", "did you mean data.n_samples?"),  # a _target_ group: ToyRegression's signature
     ("+optimizer.lrr=0.1", "did you mean optimizer.lr?"),  # torch.optim.AdamW's
+    ("+train.lr=0.1", "did you mean optimizer.lr?"),  # a key of another group, by its name
+    ("+train.precision=bf16", "did you mean precision=bf16?"),  # a group's choice
     ("+logger.tensorboard.dir=tb", "logger.tensorboard takes no keys"),
     ("+seeds=1", "the config has data, dist, launcher, logger, model, name, optimizer, precision, resume, scheduler, "
                  "strategy, train"),
@@ -33,6 +35,17 @@ def test_a_key_nothing_reads_is_refused_in_one_line(tmp_path: Path, override: st
 def test_hydra_s_own_refusal_no_longer_suggests_adding_the_key_with_plus(tmp_path: Path) -> None:
     out = run_cli("+exp=toy", "train.max_step=20", "launcher.dry_run=true", cwd=tmp_path)
     assert out.returncode == 2 and "did you mean train.max_steps?" in out.stderr and "+train" not in out.stderr
+
+
+@pytest.mark.parametrize(("override", "fix"), [
+    ("train.lr=0.1", "Key 'lr' not in 'TrainConfig'; did you mean optimizer.lr?"),  # a typed group
+    ("model.max_steps=3", "Key 'max_steps' is not in struct; did you mean train.max_steps?"),  # a _target_ group
+    ("train.precision=bf16", "Key 'precision' not in 'TrainConfig'; did you mean precision=bf16?"),
+])
+def test_a_key_put_in_the_wrong_group_names_the_group_it_belongs_to(tmp_path: Path, override: str, fix: str) -> None:
+    out = run_cli("+exp=toy", override, "launcher.dry_run=true", cwd=tmp_path)
+    key = override.split("=")[0]
+    assert out.returncode == 2 and out.stderr.strip() == f"error: Could not override '{key}'; {fix}", out.stderr
 
 
 def test_a_target_s_parameters_come_from_its_source_without_importing_it() -> None:

@@ -13,10 +13,13 @@ import re
 import sys
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
 from launcher import schema
-from launcher.launch.known_keys import closest
+from launcher.launch.known_keys import closest, elsewhere
+
+if TYPE_CHECKING:
+    from omegaconf import DictConfig
 
 CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
 _held: dict[str, object] = {}  # the real stderr while Hydra's output is held back
@@ -63,7 +66,10 @@ def condense(text: str) -> str:
         valid = _schema_fields(object_type)
         close = closest(unknown.group(1), set(valid))  # the same guess as for a key added with +
         prefix = full_key.rsplit(".", 1)[0] + "." if full_key and "." in full_key else ""
-        message += f"; did you mean {prefix}{close}?" if close else f"; valid keys: {', '.join(valid)}"
+        cfg = _composed_without(full_key) if full_key else None
+        moved = elsewhere(cfg, full_key) if cfg is not None else None  # train.lr: optimizer.lr
+        message += (f"; did you mean {moved}?" if moved else f"; did you mean {prefix}{close}?" if close
+                    else f"; valid keys: {', '.join(valid)}")
     elif re.search(r"Key '[^']+' is not in struct", message) and full_key and "." in full_key:
         message += _untyped_hint(full_key)
     elif full_key and full_key not in message:
@@ -72,24 +78,36 @@ def condense(text: str) -> str:
 
 
 def _untyped_hint(full_key: str) -> str:
-    """A key unknown to an untyped group (model.hiden): the group's keys in the config composed without the
-    override that failed, the closest first. Nothing when that config does not compose either."""
-    from hydra import compose, initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
+    """A key unknown to an untyped group (model.hiden): where a key of that name lives, else the group's keys
+    in the config composed without the override that failed, the closest first. Nothing when that config does
+    not compose either."""
     from omegaconf import DictConfig, OmegaConf
 
+    cfg = _composed_without(full_key)
+    if cfg is None:
+        return ""
     group, _, name = full_key.rpartition(".")
+    node = OmegaConf.select(cfg, group)
+    keys = [str(key) for key in node] if isinstance(node, DictConfig) else []
+    close, moved = closest(name, set(keys)), elsewhere(cfg, full_key)
+    return (f"; did you mean {moved}?" if moved else f"; did you mean {group}.{close}?" if close
+            else f"; {group}.* has {', '.join(keys)}" if keys else "")
+
+
+def _composed_without(full_key: str) -> DictConfig | None:
+    """The config of this command without the override of full_key, or None where it does not compose either (a
+    sweep's a,b values, a --config-dir of the user's)."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
     overrides = [arg for arg in sys.argv[1:] if "=" in arg and not arg.startswith(("-", "hydra."))
                  and arg.split("=", 1)[0].lstrip("+~") != full_key]
     GlobalHydra.instance().clear()  # what the failed compose left
     try:
         with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-            node = OmegaConf.select(compose(config_name="config", overrides=overrides), group)
-    except Exception:  # a sweep's a,b values, a --config-dir of the user's: say no more than Hydra did
-        return ""
-    keys = [str(key) for key in node] if isinstance(node, DictConfig) else []
-    close = closest(name, set(keys))
-    return f"; did you mean {group}.{close}?" if close else (f"; {group}.* has {', '.join(keys)}" if keys else "")
+            return compose(config_name="config", overrides=overrides)
+    except Exception:  # say no more than Hydra did
+        return None
 
 
 def _group_hint(message: str) -> str:

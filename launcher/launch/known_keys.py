@@ -30,25 +30,25 @@ GIVEN_BY_THE_WORKER = {"params"}  # the optimizer's parameters: the worker passe
 
 def check_known_keys(cfg: DictConfig) -> None:
     """Raise ConfigError naming the first key nothing takes, and the closest key that is taken."""
-    _check_dataclass(cfg, schema.Config, "")
+    _check_dataclass(cfg, cfg, schema.Config, "")
     for group in TARGET_GROUPS:
         node = cfg.get(group)
         if isinstance(node, DictConfig) and isinstance(node.get("_target_"), str):
             taken = target_parameters(node._target_)
             if taken is not None:
-                _refuse_unknown(group, [str(k) for k in node if k not in HYDRA_KEYS], taken - GIVEN_BY_THE_WORKER,
-                                f"{node._target_} takes")
+                _refuse_unknown(cfg, group, [str(k) for k in node if k not in HYDRA_KEYS],
+                                taken - GIVEN_BY_THE_WORKER, f"{node._target_} takes")
 
 
-def _check_dataclass(node: DictConfig, cls: type, prefix: str) -> None:
+def _check_dataclass(cfg: DictConfig, node: DictConfig, cls: type, prefix: str) -> None:
     hints = get_type_hints(cls)
     fields = {f.name for f in dataclasses.fields(cls)}
     where = f"{prefix.rstrip('.')} (launcher/schema.py's {cls.__name__})" if prefix else "the config"
-    _refuse_unknown(prefix.rstrip("."), [str(k) for k in node], fields, f"{where} has")
+    _refuse_unknown(cfg, prefix.rstrip("."), [str(k) for k in node], fields, f"{where} has")
     for name in fields:
         child, typed = node.get(name), _dataclass_of(hints[name])
         if typed is not None and isinstance(child, DictConfig):
-            _check_dataclass(child, typed, f"{prefix}{name}.")
+            _check_dataclass(cfg, child, typed, f"{prefix}{name}.")
 
 
 def _dataclass_of(hint: Any) -> type | None:
@@ -59,15 +59,29 @@ def _dataclass_of(hint: Any) -> type | None:
     return None
 
 
-def _refuse_unknown(group: str, keys: list[str], taken: set[str], what: str) -> None:
+def _refuse_unknown(cfg: DictConfig, group: str, keys: list[str], taken: set[str], what: str) -> None:
     for key in keys:
         if key not in taken:
             name = f"{group}.{key}" if group else key
-            close = closest(key, taken)
-            fix = (f"did you mean {group + '.' if group else ''}{close}?" if close
-                   else f"{what} {', '.join(sorted(taken))}" if taken else f"{group} takes no keys")
+            close, moved = closest(key, taken), elsewhere(cfg, name)
+            fix = (f"did you mean {moved}?" if moved else f"did you mean {group + '.' if group else ''}{close}?"
+                   if close else f"{what} {', '.join(sorted(taken))}" if taken else f"{group} takes no keys")
             raise ConfigError(f"{name} is a key nothing reads (a typo, or one added with + that no schema or target "
                               f"takes): {fix}")
+
+
+def elsewhere(cfg: DictConfig, full_key: str) -> str | None:
+    """Where a key of that name lives when it is not in the group the user put it in (train.lr: optimizer.lr;
+    launcher.max_steps: train.max_steps): keys of the config's top level or of its groups, or None. A group's
+    choice comes with the value given (train.precision=bf16: precision=bf16)."""
+    group, _, name = full_key.rpartition(".")
+    top = {str(key): node for key, node in cfg.items_ex(resolve=False)}
+    if group and name in top:
+        given = [arg.split("=", 1)[1] for arg in sys.argv[1:] if arg.split("=", 1)[0].lstrip("+~") == full_key]
+        return f"{name}={given[0]}" if given and isinstance(top[name], DictConfig) else name
+    found = [f"{other}.{name}" for other, node in top.items()
+             if other != group.split(".")[0] and isinstance(node, DictConfig) and name in node]
+    return " or ".join(found) or None  # (+seed=1: data.seed or train.seed)
 
 
 def closest(key: str, taken: set[str]) -> str | None:
