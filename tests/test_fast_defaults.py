@@ -15,7 +15,7 @@ import pytest
 from conftest import compose_config, on_the_cpu_plan, run_cli, subprocess_env, write_run_config
 from helpers import logged_step, wait_until
 from launcher.derived import auto_precision
-from launcher.launch.gpus import visible_gpus, visible_indices
+from launcher.launch.gpus import Gpu, in_cuda_order, visible_gpus, visible_indices
 from launcher.launch.plan import make_plan, resolve
 from launcher.preempt import REQUEUE_EXIT_CODE
 from launcher.rundir import complete_steps
@@ -69,6 +69,12 @@ def test_visible_devices_read_as_cuda_reads_them_and_no_nvml_falls_back_to_torch
     assert visible_indices("GPU-bbb,GPU-aaa1", 3, uuids) == [1, 0]  # a unique prefix names a GPU
     assert visible_indices("", 3, uuids) == [] and visible_indices("-1", 3, uuids) == []
     assert visible_indices("MIG-1234", 3, uuids) is None  # NVML cannot say: torch answers
+    h100, t4 = Gpu("NVIDIA H100", (9, 0)), Gpu("Tesla T4", (7, 5))
+    assert in_cuda_order([h100, h100, h100], uuids, {"CUDA_VISIBLE_DEVICES": "2"}) == [h100]
+    # mixed GPUs: CUDA's default order puts the fastest first, NVML's is the PCI bus's; only PCI_BUS_ID makes them one
+    assert in_cuda_order([t4, h100, t4], uuids, {}) is None
+    assert in_cuda_order([t4, h100, t4], uuids, {"CUDA_DEVICE_ORDER": "PCI_BUS_ID", "CUDA_VISIBLE_DEVICES": "1,0"}) == [
+        h100, t4]
     import torch
 
     if not torch.cuda.is_available():  # this machine has no NVML: torch's answer, no GPU

@@ -5,7 +5,8 @@ get_device_capability and get_device_name initialise CUDA in the parent, which t
 hundreds of MB of GPU memory) for the whole run, and `nvidia-smi` costs a process start: NVML (libnvidia-ml,
 shipped with the driver, the library torch.cuda.device_count itself reads) answers both at once. Without NVML
 (no driver, a MIG slice, a build without it) torch.cuda answers instead. CUDA_VISIBLE_DEVICES narrows the
-list as CUDA does: the entries up to the first one that names no GPU.
+list as CUDA does: the entries up to the first one that names no GPU. On a node of mixed GPUs NVML's order (PCI
+bus) is CUDA's only with CUDA_DEVICE_ORDER=PCI_BUS_ID; without it torch.cuda answers there too.
 Exercised by: tests/test_fast_defaults.py (CUDA_VISIBLE_DEVICES, the fallback; NVML against torch under -m gpu).
 """
 from __future__ import annotations
@@ -61,6 +62,16 @@ def visible_indices(variable: str | None, count: int, uuids: list[str]) -> list[
     return indices
 
 
+def in_cuda_order(every: list[Gpu], uuids: list[str], env: os._Environ[str] | dict[str, str]) -> list[Gpu] | None:
+    """The GPUs CUDA_VISIBLE_DEVICES leaves, from NVML's list (PCI bus order), or None where CUDA's order may differ:
+    by default (CUDA_DEVICE_ORDER=FASTEST_FIRST) CUDA puts the fastest GPU first, so on a node of mixed GPUs its
+    device 0 need not be NVML's, and the workers' capabilities are then torch.cuda's to say."""
+    if env.get("CUDA_DEVICE_ORDER") != "PCI_BUS_ID" and len(set(every)) > 1:
+        return None
+    indices = visible_indices(env.get("CUDA_VISIBLE_DEVICES"), len(every), uuids)
+    return None if indices is None else [every[index] for index in indices]
+
+
 def _nvml() -> ctypes.CDLL | None:
     """The initialised NVML library (the caller shuts it down), or None."""
     try:
@@ -86,17 +97,14 @@ def _nvml_gpus() -> list[Gpu] | None:
                 return None
             handles.append(handle)
             uuids.append(uuid.value.decode())
-        indices = visible_indices(os.environ.get("CUDA_VISIBLE_DEVICES"), count.value, uuids)
-        if indices is None:
-            return None
-        gpus = []
-        for index in indices:
+        every = []
+        for handle in handles:
             name, major, minor = ctypes.create_string_buffer(96), ctypes.c_int(), ctypes.c_int()
-            if nvml.nvmlDeviceGetName(handles[index], name, 96) != 0 or nvml.nvmlDeviceGetCudaComputeCapability(
-                    handles[index], ctypes.byref(major), ctypes.byref(minor)) != 0:
+            if nvml.nvmlDeviceGetName(handle, name, 96) != 0 or nvml.nvmlDeviceGetCudaComputeCapability(
+                    handle, ctypes.byref(major), ctypes.byref(minor)) != 0:
                 return None
-            gpus.append(Gpu(name.value.decode(), (major.value, minor.value)))
-        return gpus
+            every.append(Gpu(name.value.decode(), (major.value, minor.value)))
+        return in_cuda_order(every, uuids, os.environ)
     except AttributeError:  # an NVML older than these calls
         return None
     finally:
