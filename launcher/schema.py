@@ -155,6 +155,14 @@ class LauncherConfig:
     dry_run: bool = False  # check and resolve the config, print what would run or be submitted, start nothing
 
 
+# What launcher=slurm asks the cluster for, and when: set under launcher=local they would train here, on whatever
+# this machine is (a login node), so the parent refuses them (launcher/launch/plan.py). How a job behaves (setup,
+# additional_parameters, log_dir, signal_delay_s, array_parallelism, max_requeues, wait) may stay in a config run
+# both ways.
+SLURM_RESOURCE_KEYS = ("nodes", "gpus_per_node", "cpus_per_task", "mem_gb", "timeout_min", "partition", "account",
+                       "qos", "constraint", "exclusive", "dependency", "after")
+
+
 @dataclass
 class DistConfig:
     backend: str = "auto"  # auto: nccl with CUDA, else gloo

@@ -144,6 +144,11 @@ CASES = {  # name: (overrides, or a function of tmp_path giving them; what the l
                                 "launcher.rdzv_endpoint=node001 is not <host>:<port>"),
     "dependency without slurm": (["+exp=toy", "launcher.dependency=afterok:1"],
                                  "launcher.dependency orders Slurm jobs; add launcher=slurm"),
+    "slurm partition without slurm": (["+exp=toy", "launcher.partition=gpu"],
+                                      "launcher.partition=gpu is for Slurm, and launcher=local would train on this "
+                                      "machine without it; add launcher=slurm, or drop launcher.partition"),
+    "slurm nodes without slurm": (["+exp=toy", "launcher.nodes=2"],
+                                  "drop launcher.nodes (launcher=local on several machines: launcher.nnodes)"),
     "slurm zero nodes": (["+exp=toy", "launcher=slurm", "launcher.nodes=0"], "launcher.nodes=0 must be > 0"),
     "slurm negative timeout": (["+exp=toy", "launcher=slurm", "launcher.timeout_min=-5"],
                                "launcher.timeout_min=-5 must be > 0"),

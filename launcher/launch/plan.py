@@ -5,6 +5,7 @@ Exercised by: `python -m launcher +exp=toy train.global_batch_size=30` (fails: n
 """
 from __future__ import annotations
 
+import dataclasses
 import re
 import signal
 from dataclasses import asdict, dataclass
@@ -19,6 +20,7 @@ from launcher.launch.gpus import visible_gpus
 from launcher.launch.strategy_check import check_strategy
 from launcher.preempt import signal_named
 from launcher.rundir import write_atomically
+from launcher.schema import SLURM_RESOURCE_KEYS, LauncherConfig
 
 
 @dataclass(frozen=True)
@@ -81,9 +83,8 @@ def _shape(cfg: DictConfig) -> tuple[int, int, int, str, list[tuple[int, int]] |
                               "on Slurm set launcher.nodes (the rendezvous is the job's first node)")
         nproc = gpus or launcher.nproc_per_node or 2
         return launcher.nodes, launcher.nodes, nproc, "cuda" if gpus else "cpu", None if gpus else []
-    for key in ("dependency", "after"):
-        if launcher.name == "local" and launcher[key]:
-            raise ConfigError(f"launcher.{key} orders Slurm jobs; add launcher=slurm, or drop launcher.{key}")
+    if launcher.name == "local":
+        _refuse_slurm_keys(launcher)
     if launcher.name != "local":
         raise ConfigError(f"launcher.name={launcher.name} is not one of local, slurm; pick launcher=local or "
                           f"launcher=slurm")
@@ -101,6 +102,22 @@ def _shape(cfg: DictConfig) -> tuple[int, int, int, str, list[tuple[int, int]] |
         raise ConfigError(f"launcher.nproc_per_node={nproc} but this node has {gpus} GPU(s); "
                           f"set launcher.nproc_per_node<={gpus}, or launcher.device=cpu for CPU workers")
     return fewest, nnodes, nproc, "cuda", [gpu.capability for gpu in found[:nproc]]
+
+
+def _refuse_slurm_keys(launcher: DictConfig) -> None:
+    """What a local launch would not ask for (launcher.partition=gpu without launcher=slurm would train here)."""
+    defaults = {f.name: f.default for f in dataclasses.fields(LauncherConfig)}
+    for key in SLURM_RESOURCE_KEYS:
+        value = launcher[key]
+        if value == defaults[key]:
+            continue
+        if key in ("dependency", "after"):
+            raise ConfigError(f"launcher.{key} orders Slurm jobs; add launcher=slurm, or drop launcher.{key}")
+        shown = str(value).lower() if isinstance(value, bool) else value
+        hint = {"nodes": " (launcher=local on several machines: launcher.nnodes)",
+                "gpus_per_node": " (launcher=local: launcher.nproc_per_node)"}.get(key, "")
+        raise ConfigError(f"launcher.{key}={shown} is for Slurm, and launcher=local would train on this machine "
+                          f"without it; add launcher=slurm, or drop launcher.{key}{hint}")
 
 
 def _choose(cfg: DictConfig, device_type: str, capabilities: list[tuple[int, int]] | None, nnodes: int) -> dict[str, Any]:
