@@ -41,9 +41,12 @@ def test_hydra_s_own_refusal_no_longer_suggests_adding_the_key_with_plus(tmp_pat
     ("train.lr=0.1", "Key 'lr' not in 'TrainConfig'; did you mean optimizer.lr?"),  # a typed group
     ("model.max_steps=3", "Key 'max_steps' is not in struct; did you mean train.max_steps?"),  # a _target_ group
     ("train.precision=bf16", "Key 'precision' not in 'TrainConfig'; did you mean precision=bf16?"),
+    ("optimizer.name=sgd", "Key 'name' is not in struct; did you mean optimizer=sgd?"),  # a group's choice
+    ("train.path=x", "Key 'path' not in 'TrainConfig'; did you mean data.path?"),  # (data=files: a ??? key)
+    ("hydra.run.name=x", "Key 'name' not in 'RunDir'"),  # Hydra's own: no guess
 ])
 def test_a_key_put_in_the_wrong_group_names_the_group_it_belongs_to(tmp_path: Path, override: str, fix: str) -> None:
-    out = run_cli("+exp=toy", override, "launcher.dry_run=true", cwd=tmp_path)
+    out = run_cli("+exp=bert", "data=files", override, "launcher.dry_run=true", cwd=tmp_path)
     key = override.split("=")[0]
     assert out.returncode == 2 and out.stderr.strip() == f"error: Could not override '{key}'; {fix}", out.stderr
 

@@ -16,12 +16,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Iterator
 
 from launcher import schema
-from launcher.launch.known_keys import closest, elsewhere
+from launcher.launch.known_keys import CONF_DIR, closest, elsewhere
 
 if TYPE_CHECKING:
     from omegaconf import DictConfig
 
-CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
 _held: dict[str, object] = {}  # the real stderr while Hydra's output is held back
 
 
@@ -67,9 +66,9 @@ def condense(text: str) -> str:
         close = closest(unknown.group(1), set(valid))  # the same guess as for a key added with +
         prefix = full_key.rsplit(".", 1)[0] + "." if full_key and "." in full_key else ""
         cfg = _composed_without(full_key) if full_key else None
-        moved = elsewhere(cfg, full_key) if cfg is not None else None  # train.lr: optimizer.lr
+        moved = elsewhere(cfg, full_key) if cfg is not None else None  # an exact name beats a close one
         message += (f"; did you mean {moved}?" if moved else f"; did you mean {prefix}{close}?" if close
-                    else f"; valid keys: {', '.join(valid)}")
+                    else f"; valid keys: {', '.join(valid)}" if valid else "")  # (Hydra's own dataclasses: none)
     elif re.search(r"Key '[^']+' is not in struct", message) and full_key and "." in full_key:
         message += _untyped_hint(full_key)
     elif full_key and full_key not in message:
@@ -96,12 +95,16 @@ def _untyped_hint(full_key: str) -> str:
 
 def _composed_without(full_key: str) -> DictConfig | None:
     """The config of this command without the override of full_key, or None where it does not compose either (a
-    sweep's a,b values, a --config-dir of the user's)."""
+    --config-dir of the user's)."""
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
+    def other(key: str) -> bool:  # (train.scheduler.name=x fails as train.scheduler)
+        return key != full_key and not key.startswith(f"{full_key}.")
+
+    # a sweep's a,b values go too: what the keys are does not depend on them
     overrides = [arg for arg in sys.argv[1:] if "=" in arg and not arg.startswith(("-", "hydra."))
-                 and arg.split("=", 1)[0].lstrip("+~") != full_key]
+                 and other(arg.split("=", 1)[0].lstrip("+~")) and "," not in arg.split("=", 1)[1]]
     GlobalHydra.instance().clear()  # what the failed compose left
     try:
         with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):

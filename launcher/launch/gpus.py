@@ -14,6 +14,7 @@ from __future__ import annotations
 import ctypes
 import os
 from dataclasses import dataclass
+from typing import Mapping
 
 import torch
 
@@ -62,7 +63,7 @@ def visible_indices(variable: str | None, count: int, uuids: list[str]) -> list[
     return indices
 
 
-def in_cuda_order(every: list[Gpu], uuids: list[str], env: os._Environ[str] | dict[str, str]) -> list[Gpu] | None:
+def in_cuda_order(every: list[Gpu], uuids: list[str], env: Mapping[str, str]) -> list[Gpu] | None:
     """The GPUs CUDA_VISIBLE_DEVICES leaves, from NVML's list (PCI bus order), or None where CUDA's order may differ:
     by default (CUDA_DEVICE_ORDER=FASTEST_FIRST) CUDA puts the fastest GPU first, so on a node of mixed GPUs its
     device 0 need not be NVML's, and the workers' capabilities are then torch.cuda's to say."""

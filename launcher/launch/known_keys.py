@@ -16,6 +16,7 @@ import importlib.util
 import inspect
 import os
 import sys
+from pathlib import Path
 from typing import Any, get_args, get_type_hints
 
 from omegaconf import DictConfig
@@ -23,6 +24,7 @@ from omegaconf import DictConfig
 from launcher import schema
 from launcher.derived import ConfigError
 
+CONF_DIR = Path(__file__).resolve().parents[2] / "conf"  # the repo's config groups, one folder each
 TARGET_GROUPS = ("model", "data", "optimizer")
 HYDRA_KEYS = {"_target_", "_partial_", "_convert_", "_recursive_", "_args_"}
 GIVEN_BY_THE_WORKER = {"params"}  # the optimizer's parameters: the worker passes them
@@ -73,14 +75,24 @@ def _refuse_unknown(cfg: DictConfig, group: str, keys: list[str], taken: set[str
 def elsewhere(cfg: DictConfig, full_key: str) -> str | None:
     """Where a key of that name lives when it is not in the group the user put it in (train.lr: optimizer.lr;
     launcher.max_steps: train.max_steps): keys of the config's top level or of its groups, or None. A group's
-    choice comes with the value given (train.precision=bf16: precision=bf16)."""
+    choice comes with the value given (train.precision=bf16: precision=bf16; optimizer.name=sgd: optimizer=sgd)."""
     group, _, name = full_key.rpartition(".")
+    root = group.split(".")[0]
+    if root == "hydra":  # Hydra's own settings are no key of the job's
+        return None
+    given = [arg.split("=", 1)[1] for arg in sys.argv[1:] if arg.split("=", 1)[0].lstrip("+~") == full_key]
+    value = f"={given[0]}" if given else "=..."
+    if name == "name" and (CONF_DIR / root).is_dir():  # a group's name is its choice
+        return f"{root}{value}"
     top = {str(key): node for key, node in cfg.items_ex(resolve=False)}
     if group and name in top:
-        given = [arg.split("=", 1)[1] for arg in sys.argv[1:] if arg.split("=", 1)[0].lstrip("+~") == full_key]
-        return f"{name}={given[0]}" if given and isinstance(top[name], DictConfig) else name
+        node = top[name]
+        if not isinstance(node, DictConfig):
+            return name
+        return f"{name}{value}" if (CONF_DIR / name).is_dir() else None  # (dist=x is no choice)
+    # keys(), not `in`: that resolves interpolations, and a ??? key counts as absent (data.path of data=files)
     found = [f"{other}.{name}" for other, node in top.items()
-             if other != group.split(".")[0] and isinstance(node, DictConfig) and name in node]
+             if other != root and isinstance(node, DictConfig) and name in node.keys()]
     return " or ".join(found) or None  # (+seed=1: data.seed or train.seed)
 
 
