@@ -43,6 +43,12 @@ def auto_ddp_split(nnodes: int) -> bool:
     return nnodes > 1
 
 
+def compiles_each_block(strategy: str, compile_scope: str | None) -> bool:
+    """Whether a compiled model compiles each block on its own (strategy=fsdp: FSDP2 gathers the weights between
+    them; train.compile_scope=block under ddp) rather than the whole model (DDP's graph, one or cut at buckets)."""
+    return strategy == "fsdp" or compile_scope == "block"
+
+
 # torch.compile's modes (train.compile_mode). The CUDA-graph ones overwrite a graph's outputs at its next
 # replay, which breaks gradient accumulation over micro-batches (pytorch#169545): the parent refuses them
 # with accumulation.

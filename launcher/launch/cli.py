@@ -18,7 +18,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from launcher.derived import ConfigError
+from launcher.derived import ConfigError, compiles_each_block
 from launcher.launch.checks import check_job_inputs
 from launcher.launch.continue_run import continued_run_dir
 from launcher.launch.cpu_precision import slow_precision_warning
@@ -64,7 +64,7 @@ def speed_line(config: dict, plan: Plan) -> str:
     mode = "compiled" if train["compile"] is True else "eager"
     split = {True: ", cut at DDP's buckets", False: ", one graph"}.get(train["compile_ddp_split"], "") \
         if train["compile"] is True else ""
-    if train["compile"] is True and (config["strategy"]["name"] == "fsdp" or train["compile_scope"] == "block"):
+    if train["compile"] is True and compiles_each_block(config["strategy"]["name"], train["compile_scope"]):
         split = ", each block"
     sharded = f" | strategy fsdp: {SHARDING_RULE}" if config["strategy"]["name"] == "fsdp" else ""
     return f"{precision} | {mode}{' (auto)' if 'compile' in auto else ''}{split}{sharded}"

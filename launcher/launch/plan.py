@@ -15,7 +15,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from launcher.derived import (COMPILE_MODES, CUDA_GRAPH_MODES, ConfigError, auto_ddp_split, auto_precision,
-                              grad_accum_steps)
+                              compiles_each_block, grad_accum_steps)
 from launcher.launch.gpus import visible_gpus
 from launcher.launch.strategy_check import check_strategy
 from launcher.preempt import signal_named
@@ -83,11 +83,10 @@ def _shape(cfg: DictConfig) -> tuple[int, int, int, str, list[tuple[int, int]] |
                               "on Slurm set launcher.nodes (the rendezvous is the job's first node)")
         nproc = gpus or launcher.nproc_per_node or 2
         return launcher.nodes, launcher.nodes, nproc, "cuda" if gpus else "cpu", None if gpus else []
-    if launcher.name == "local":
-        _refuse_slurm_keys(launcher)
     if launcher.name != "local":
         raise ConfigError(f"launcher.name={launcher.name} is not one of local, slurm; pick launcher=local or "
                           f"launcher=slurm")
+    _refuse_slurm_keys(launcher)
     fewest, nnodes = local_nodes(cfg)
     found = visible_gpus() if device != "cpu" else []  # no CUDA context here (launcher/launch/gpus.py)
     gpus = len(found)
@@ -131,13 +130,13 @@ def _choose(cfg: DictConfig, device_type: str, capabilities: list[tuple[int, int
     chosen: dict[str, Any] = {}
     if precision == "auto" and capabilities is not None:
         chosen["precision"] = auto_precision(device_type, capabilities)
-    compile_, ddp = cfg.train.compile, getattr(cfg.strategy.name, "value", cfg.strategy.name) == "ddp"
+    compile_, strategy = cfg.train.compile, getattr(cfg.strategy.name, "value", cfg.strategy.name)
     if compile_ not in (True, False, "auto"):
         raise ConfigError(f"train.compile={compile_} is not one of true, false, auto")
     if compile_ == "auto":  # strategy=fsdp compiles its blocks only when told: not yet measured on a GPU
-        chosen["compile"] = device_type == "cuda" and ddp
-    if ddp and cfg.train.compile_ddp_split is None and chosen.get("compile", compile_) is True and \
-            cfg.train.compile_scope != "block":
+        chosen["compile"] = device_type == "cuda" and strategy == "ddp"
+    whole_model = not compiles_each_block(strategy, cfg.train.compile_scope)  # (DDP's graph: one, or cut)
+    if whole_model and cfg.train.compile_ddp_split is None and chosen.get("compile", compile_) is True:
         chosen["compile_ddp_split"] = auto_ddp_split(nnodes)
     return chosen
 

@@ -21,7 +21,8 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from launcher.compat import DDP_NO_FORWARD_BUFFER_SYNC
-from launcher.derived import NODE_CONFIG, auto_precision, config_hash, differing_keys, grad_accum_steps
+from launcher.derived import (NODE_CONFIG, auto_precision, compiles_each_block, config_hash, differing_keys,
+                              grad_accum_steps)
 from launcher.preempt import REQUEUE_EXIT_CODE, StopFlag, preemption_signals
 from launcher.process_exit import exit_without_teardown
 from launcher.train import checkpoint, micro_batch, sharded_checkpoint, sharding
@@ -73,7 +74,7 @@ def build(cfg: DictConfig, run_dir: Path, env: launcher_dist.DistEnv) -> Run:
     compile_cache = CompileCache(run_dir, env.local_rank, env.device, train_cfg.compile and train_cfg.compile_cache)
     compile_cache.load(lambda message: print(message, file=sys.stderr, flush=True))  # before anything compiles
     compiling = train_cfg.compile and not compile_turned_off(cfg, env)
-    by_block = compiling and (cfg.strategy.name == "fsdp" or train_cfg.compile_scope == "block")
+    by_block = compiling and compiles_each_block(cfg.strategy.name, train_cfg.compile_scope)
     compile_each = (lambda found: compile_blocks(found, train_cfg, cfg.strategy.name == "fsdp")) if by_block else None
     if cfg.strategy.name == "fsdp":  # (the parent lets no DDP key or graph split through)
         said = "strategy=fsdp: sharded " + sharding.shard(model, cfg.strategy.reshard_after_forward, cfg.strategy.block,
