@@ -100,6 +100,9 @@ CASES = {  # name: (overrides, or a function of tmp_path giving them; what the l
     "bad signal": (["+exp=toy", "launcher.signal=FOO"], "launcher.signal=FOO is not a signal"),
     "missing data path": (["+exp=bert", "data=files", "data.path=/no/such/train.csv"],
                           "data.path=/no/such/train.csv does not exist"),
+    "a corpus file the embedded source would leave unread": (
+        lambda tmp: ["+exp=bert_mlm", f"data.path={make_csv(tmp)}"],
+        "is read only with data.source=files, and data.source is embedded here; add data.source=files"),
     "data path not set": (["+exp=bert", "data=files"], "data.path is required (it is ??? in the config); set data.path=..."),
     "wrong columns": (lambda tmp: ["+exp=bert", "data=files", f"data.path={make_csv(tmp)}"],
                       "has no column(s) ['text', 'label'] (its columns: ['review', 'stars'])"),

@@ -44,9 +44,14 @@ def test_hydra_s_own_refusal_no_longer_suggests_adding_the_key_with_plus(tmp_pat
     ("optimizer.name=sgd", "Key 'name' is not in struct; did you mean optimizer=sgd?"),  # a group's choice
     ("train.path=x", "Key 'path' not in 'TrainConfig'; did you mean data.path?"),  # (data=files: a ??? key)
     ("hydra.run.name=x", "Key 'name' not in 'RunDir'"),  # Hydra's own: no guess
+    # a key of another option of the same group: the job's own option first (data=files builds the same
+    # TextClassification as data=sentiment; data=corpus, the MLM's, after it)
+    ("data.path=x.csv", "Key 'path' is not in struct; did you mean data=files data.path=x.csv (or data=corpus)?"),
+    ("optimizer.momentum=0.9", "Key 'momentum' is not in struct; did you mean optimizer=sgd optimizer.momentum=0.9?"),
 ])
 def test_a_key_put_in_the_wrong_group_names_the_group_it_belongs_to(tmp_path: Path, override: str, fix: str) -> None:
-    out = run_cli("+exp=bert", "data=files", override, "launcher.dry_run=true", cwd=tmp_path)
+    data = [] if override.startswith("data.") else ["data=files"]
+    out = run_cli("+exp=bert", *data, override, "launcher.dry_run=true", cwd=tmp_path)
     key = override.split("=")[0]
     assert out.returncode == 2 and out.stderr.strip() == f"error: Could not override '{key}'; {fix}", out.stderr
 

@@ -20,6 +20,7 @@ from launcher.launch.label_checks import check_labels
 from launcher.rundir import PRETRAINED_KEYS, is_run_dir, newest_checkpoint, pinned_checkpoint
 
 PATH_KEYS = ("path", "eval_path")  # data files a job reads
+SOURCE_KEY, FILES_SOURCE = "source", "files"  # where a text job's samples come from; the value that reads PATH_KEYS
 MAX_SCANNED_BYTES = 256 << 20  # data files the parent reads whole for empty cells, labels (larger: the job finds them)
 COLUMN_KEYS = ("text_fields", "label_field", "text_field")  # columns a tabular file must hold
 TEXT_FIELDS_KEY = "text_fields"  # columns tokenized together: a text, or a pair (a tokenizer takes no third)
@@ -120,6 +121,7 @@ def check_job_inputs(config: dict[str, Any], pinned: dict[str, dict[str, str]]) 
     if checkpointing is not None and not isinstance(checkpointing, bool):
         raise ConfigError(f"model.{CHECKPOINTING_KEY}={checkpointing} must be true or false")
     data = config.get("data") or {}
+    _check_source(data)
     _check_lengths(data.get(LENGTH_KEY), data.get(PAD_KEY),
                    _model_source((config.get("model") or {}).get("pretrained"), pinned))
     fields = data.get(TEXT_FIELDS_KEY)
@@ -144,6 +146,16 @@ def check_job_inputs(config: dict[str, Any], pinned: dict[str, dict[str, str]]) 
             raise ConfigError(f"data.{key}={path} row {empty[0]}: no text in column {empty[1]!r}; fill it in or drop "
                               f"the row")
     check_labels(data, _model_source(data.get("tokenizer"), pinned, "data.tokenizer"), MAX_SCANNED_BYTES)
+
+
+def _check_source(data: dict[str, Any]) -> None:
+    """A data file given to a job whose data.source is another (+exp=bert_mlm data.path=corpus.txt, without
+    data.source=files) would train on the embedded set, silently: the job reads its files only from that source."""
+    source = data.get(SOURCE_KEY)
+    for key in PATH_KEYS:
+        if isinstance(source, str) and source != FILES_SOURCE and data.get(key):
+            raise ConfigError(f"data.{key}={data[key]} is read only with data.{SOURCE_KEY}={FILES_SOURCE}, and "
+                              f"data.{SOURCE_KEY} is {source} here; add data.{SOURCE_KEY}={FILES_SOURCE}")
 
 
 def _check_pretrained_run(key: str, run_dir: str, after: str | None) -> None:

@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 from typing import Any, get_args, get_type_hints
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from launcher import schema
 from launcher.derived import ConfigError
@@ -93,7 +93,25 @@ def elsewhere(cfg: DictConfig, full_key: str) -> str | None:
     # keys(), not `in`: that resolves interpolations, and a ??? key counts as absent (data.path of data=files)
     found = [f"{other}.{name}" for other, node in top.items()
              if other != root and isinstance(node, DictConfig) and name in node.keys()]
+    chosen = top.get(root)
+    options = (_options_with(root, name, chosen.get("_target_") if isinstance(chosen, DictConfig) else None)
+               if group and group == root and (CONF_DIR / root).is_dir() else [])  # (not train.scheduler.x, nor +seed)
+    if options and (options[0][1] or not found):  # an option of the same job beats a key of another group
+        rest = "".join(f" (or {root}={option})" for option, _ in options[1:])
+        return f"{root}={options[0][0]} {full_key}{value}{rest}"  # (data.path=x: data=files data.path=x)
     return " or ".join(found) or None  # (+seed=1: data.seed or train.seed)
+
+
+def _options_with(group: str, name: str, target: object) -> list[tuple[str, bool]]:
+    """The options of conf/<group>/ that have the key `name`, each with whether it builds the same `_target_` as the
+    chosen one (data.path under data=sentiment: data=files, the same job's own files; data=corpus, the MLM's, after
+    it). Read as written: nothing is composed or resolved."""
+    options = []
+    for path in sorted(CONF_DIR.glob(f"{group}/*.yaml")):
+        node = OmegaConf.load(path)
+        if isinstance(node, DictConfig) and name in node.keys():
+            options.append((path.stem, target is not None and node.get("_target_") == target))
+    return sorted(options, key=lambda option: not option[1])
 
 
 def closest(key: str, taken: set[str]) -> str | None:
