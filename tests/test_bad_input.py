@@ -110,6 +110,8 @@ CASES = {  # name: (overrides, or a function of tmp_path giving them; what the l
                        "model.pretrained=bert-base-uncased is a hub id but the hub is off"),
     "model dir missing": (["+exp=bert", "model.pretrained=/no/such/model"],
                           "model.pretrained=/no/such/model is not a directory"),
+    "relative model dir missing": (["+exp=bert", "model.pretrained=runs/pretrain/checkpoints"],  # no org/name id
+                                   "model.pretrained=runs/pretrain/checkpoints is not a directory"),
     "resume=must without checkpoint": (["+exp=toy", "resume=must"], "resume=must but"),
     "unknown device": (["+exp=toy", "launcher.device=tpu"], "launcher.device"),
     "cuda plan without slurm gpus": (["+exp=toy", "launcher=slurm", "launcher.device=cuda"],

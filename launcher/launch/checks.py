@@ -107,7 +107,7 @@ def check_job_inputs(config: dict[str, Any], pinned: dict[str, dict[str, str]]) 
                 continue
             if not isinstance(value, str) or Path(value).is_dir():
                 continue
-            if value.startswith(("/", ".", "~")):
+            if value.startswith(("/", ".", "~")) or value.count("/") > 1:  # a hub id is name or org/name
                 raise ConfigError(f"{group}.{key}={value} is not a directory; give a dir written by save_pretrained "
                                   f"or a hub id such as bert-base-uncased")
             if _offline():
