@@ -4,18 +4,20 @@ Hydra runs the task once per run (once per sweep point with -m); Slurm runs are 
 submitted here afterwards, so a sweep becomes one job array.
 """
 import os
+import sys
 import time
 
 from launcher.preempt import keep_early_signals
 
 keep_early_signals()  # first, before the imports of seconds below
 os.environ["LAUNCHER_LAUNCH_TIME"] = str(time.time())  # the workers' start-up phases count from here (train/phases.py)
-from launcher.launch.cli import main  # noqa: E402
+from launcher.launch.cli import flags_first, main  # noqa: E402
 from launcher.launch.errors import hydra_errors_in_one_line  # noqa: E402
 from launcher.launch.slurm_submit import discard_queued, submit_queued  # noqa: E402
 from launcher.launch.tracker_start import end_sweeps  # noqa: E402
 from launcher.process_exit import exit_without_teardown  # noqa: E402
 
+sys.argv[1:] = flags_first(sys.argv[1:])  # before Hydra's parser, and what reads the overrides after it
 failed = True
 try:
     with hydra_errors_in_one_line():

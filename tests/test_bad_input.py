@@ -38,6 +38,7 @@ CASES = {  # name: (overrides, or a function of tmp_path giving them; what the l
     "unknown group option": (["+exp=toy", "precision=fp8"], "Available options in 'precision': auto, bf16, fp16, fp32"),
     "unknown exp": (["+exp=nope"], "Available options in 'exp': bench, bert, bert_mlm, toy"),
     "unknown logger": (["+exp=toy", "logger=[mlfow]"], "logger=mlfow is not an option of logger/: mlflow, tensorboard, wandb"),
+    "override after an option's value": (["+exp=toy", "--cfg", "job", "x=1"], "Hydra's options go before the overrides"),
     "wrong type": (["+exp=toy", "train.max_steps=abc"], "train.max_steps=abc"),
     "indivisible batch": (["+exp=toy", "train.global_batch_size=30"],
                           "train.global_batch_size=30 is not divisible by train.micro_batch_size=8"),
@@ -100,9 +101,8 @@ CASES = {  # name: (overrides, or a function of tmp_path giving them; what the l
     "bad signal": (["+exp=toy", "launcher.signal=FOO"], "launcher.signal=FOO is not a signal"),
     "missing data path": (["+exp=bert", "data=files", "data.path=/no/such/train.csv"],
                           "data.path=/no/such/train.csv does not exist"),
-    "a corpus file the embedded source would leave unread": (
-        lambda tmp: ["+exp=bert_mlm", f"data.path={make_csv(tmp)}"],
-        "is read only with data.source=files, and data.source is embedded here; add data.source=files"),
+    "a file the embedded source leaves unread": (lambda tmp: ["+exp=bert_mlm", f"data.path={make_csv(tmp)}"],
+                                                 "is read only with data.source=files, and data.source is embedded"),
     "data path not set": (["+exp=bert", "data=files"], "data.path is required (it is ??? in the config); set data.path=..."),
     "wrong columns": (lambda tmp: ["+exp=bert", "data=files", f"data.path={make_csv(tmp)}"],
                       "has no column(s) ['text', 'label'] (its columns: ['review', 'stars'])"),
@@ -110,8 +110,7 @@ CASES = {  # name: (overrides, or a function of tmp_path giving them; what the l
                        "model.pretrained=bert-base-uncased is a hub id but the hub is off"),
     "model dir missing": (["+exp=bert", "model.pretrained=/no/such/model"],
                           "model.pretrained=/no/such/model is not a directory"),
-    "relative model dir missing": (["+exp=bert", "model.pretrained=runs/pretrain/checkpoints"],  # no org/name id
-                                   "model.pretrained=runs/pretrain/checkpoints is not a directory"),
+    "model path, no org/name id": (["+exp=bert", "model.pretrained=runs/a/b"], "model.pretrained=runs/a/b is not a dir"),
     "resume=must without checkpoint": (["+exp=toy", "resume=must"], "resume=must but"),
     "unknown device": (["+exp=toy", "launcher.device=tpu"], "launcher.device"),
     "cuda plan without slurm gpus": (["+exp=toy", "launcher=slurm", "launcher.device=cuda"],
@@ -174,7 +173,8 @@ CASES = {  # name: (overrides, or a function of tmp_path giving them; what the l
 # kind of stage of cli.launch: the plan, the job's inputs, the Slurm branch, a run dir that already holds a run.
 THROUGH_THE_CLI = {"unknown key", "unknown key of an untyped group", "unknown group option", "unknown exp",
                    "unknown logger", "wrong type", "unknown device", "run dir cannot be made", "indivisible batch",
-                   "missing data path", "slurm after a run never submitted", "unreadable run dir"}
+                   "missing data path", "slurm after a run never submitted", "unreadable run dir",
+                   "override after an option's value"}
 assert THROUGH_THE_CLI <= CASES.keys()  # a misspelt name would quietly drop its CLI run
 
 

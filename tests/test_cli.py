@@ -151,8 +151,9 @@ def test_launch_record_has_what_a_bug_report_needs_and_no_secret(tmp_path: Path)
 
 def test_a_slurm_sweep_over_the_micro_batch_is_one_job_array(tmp_path: Path) -> None:
     """Points that differ only in accumulation share the job's shape: one array (dry run, no cluster needed),
-    each point with its own accumulation; auto leaves it to the workers."""
-    out = run_cli("-m", "+exp=toy", "launcher=slurm", "launcher.dry_run=true", "train.micro_batch_size=4,8,auto",
+    each point with its own accumulation; auto leaves it to the workers. The -m typed among the overrides (argparse
+    alone would take none after it)."""
+    out = run_cli("+exp=toy", "launcher=slurm", "-m", "launcher.dry_run=true", "train.micro_batch_size=4,8,auto",
                   f"hydra.sweep.dir={tmp_path / 'sweep'}", cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "dry run: would submit a job array of 3" in out.stdout, out.stdout[-2000:]

@@ -85,6 +85,17 @@ def shared_run_dir(nnodes: int) -> None:
                           f"nodes see> (the default run dir holds each node's own launch time and pid)")
 
 
+# Hydra's options that take no value. argparse reads the overrides as one run of words after the options, so one
+# in their midst failed: `+exp=toy -m train.seed=1,2` was "unrecognized arguments: train.seed=1,2"
+HYDRA_FLAGS = {"-m", "--multirun", "-r", "--run", "--resolve", "-h", "--help", "--hydra-help", "--version"}
+
+
+def flags_first(args: list[str]) -> list[str]:
+    """The command's words with Hydra's value-less flags first: `+exp=toy -m train.seed=1,2` sweeps as
+    `-m +exp=toy train.seed=1,2` does."""
+    return [arg for arg in args if arg in HYDRA_FLAGS] + [arg for arg in args if arg not in HYDRA_FLAGS]
+
+
 @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")
 def main(cfg: DictConfig) -> None:
     release_stderr()  # Hydra composed the config: from here on our errors are one line already

@@ -59,7 +59,7 @@ def condense(text: str) -> str:
         message += ": " + ", ".join(options)
     if "mkdir" in text and "Error" in message:  # Hydra creates the run dir before our code runs
         message = f"hydra.run.dir (or hydra.sweep.dir) cannot be created: {message}"
-    message = _group_hint(message)
+    message = _argparse_hint(_group_hint(message))
     unknown = re.search(r"Key '([^']+)' not in '(\w+)'", message)
     if unknown and object_type:
         valid = _schema_fields(object_type)
@@ -111,6 +111,19 @@ def _composed_without(full_key: str) -> DictConfig | None:
             return compose(config_name="config", overrides=overrides)
     except Exception:  # say no more than Hydra did
         return None
+
+
+def _argparse_hint(message: str) -> str:
+    """Hydra's argparse error, without the usage text before it: the words it did not take, and the fix. (A flag
+    such as -m is moved before the overrides already: cli.flags_first.)"""
+    refused = re.search(r"error: unrecognized arguments: (.*)$", message)
+    if not refused:
+        return message.split(": error: ", 1)[1] if message.startswith("usage:") and ": error: " in message else message
+    words = refused.group(1)
+    if "=" in words:  # overrides after an option that takes a value (--cfg job): argparse takes none past it
+        return (f"unrecognized arguments: {words}; Hydra's options go before the overrides, e.g. python -m launcher "
+                f"--cfg job +exp=... key=value")
+    return f"unrecognized arguments: {words}; python -m launcher --help lists the options"
 
 
 def _group_hint(message: str) -> str:
