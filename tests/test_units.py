@@ -251,13 +251,18 @@ def test_a_ranks_error_is_told_by_its_line_that_says_what_failed() -> None:
 
 def test_status_tells_a_run_that_slurm_here_cannot_by_its_run_dir_and_keeps_each_sweep_together(tmp_path: Path) -> None:
     """Without sacct and squeue (another host, a forgotten job) a finished run said UNKNOWN; sweeps side by side
-    were listed point by point, interleaved (a/0, b/0, a/1, b/1)."""
+    were listed point by point, interleaved (a/0, b/0, a/1, b/1). Another program's config.yaml below is no run (it
+    crashed the table)."""
     from launcher.launch.status import describe, run_dirs
 
     for sweep in ("a", "b"):
         for point in ("0", "1", "10"):
             (tmp_path / sweep / point).mkdir(parents=True)
             (tmp_path / sweep / point / "config.yaml").write_text("{}\n")
+            (tmp_path / sweep / point / "launch.json").write_text("{}\n")
+    for other in ("a/0/.hydra", "models/bert"):
+        (tmp_path / other).mkdir(parents=True)
+        (tmp_path / other / "config.yaml").write_text("[not: yaml of ours\n")
     assert [str(p.relative_to(tmp_path)) for p in run_dirs(tmp_path)] == ["a/0", "a/1", "a/10", "b/0", "b/1", "b/10"]
     done, gone = tmp_path / "a" / "0", tmp_path / "a" / "1"
     (done / "summary.json").write_text("{}\n")

@@ -16,14 +16,15 @@ from launcher.launch.run_lock import lock_holder
 from launcher.launch.run_log import failure_line
 from launcher.launch.slurm import recorded_job, slurm_states
 from launcher.preempt import PREEMPTED_FILE
-from launcher.rundir import ERROR_FILE, LAUNCH_FILE, SUMMARY_FILE, best_record, complete_steps
+from launcher.rundir import ERROR_FILE, LAUNCH_FILE, SUMMARY_FILE, best_record, complete_steps, is_run_dir
 
 
 def run_dirs(root: Path) -> list[Path]:
-    """The run dir itself, or every run dir below a sweep dir (those holding a config.yaml)."""
+    """The run dir itself, or every run dir below a sweep dir: those whose config.yaml the launcher wrote, with a
+    launch.json beside it (a dir of many runs may hold other programs' config.yaml too: a model's, Hydra's own)."""
     if (root / "config.yaml").is_file():
         return [root]
-    found = [p.parent for p in root.rglob("config.yaml") if p.parent.name != ".hydra"]
+    found = [p.parent for p in root.rglob("config.yaml") if is_run_dir(str(p.parent))]
     return sorted(found, key=lambda p: (str(p.parent), p.name.zfill(8), str(p)))  # each sweep's points together
 
 
