@@ -110,9 +110,11 @@ def test_typo_fails_at_compose_time_naming_the_key(tmp_path: Path) -> None:
 
 
 def test_cfg_job_prints_the_composed_config(tmp_path: Path) -> None:
-    out = run_cli("+exp=toy", "--cfg", "job", cwd=tmp_path)
-    assert out.returncode == 0
-    assert OmegaConf.create(out.stdout).train.global_batch_size == 32
+    """With an override after it too (argparse alone takes none past an option's value)."""
+    out = run_cli("+exp=toy", "--cfg", "job", "train.max_steps=5", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    job = OmegaConf.create(out.stdout)
+    assert (job.train.global_batch_size, job.train.max_steps) == (32, 5)
 
 
 def test_launch_record_has_what_a_bug_report_needs_and_no_secret(tmp_path: Path) -> None:

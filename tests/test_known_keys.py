@@ -44,13 +44,17 @@ def test_hydra_s_own_refusal_no_longer_suggests_adding_the_key_with_plus(tmp_pat
     ("optimizer.name=sgd", "Key 'name' is not in struct; did you mean optimizer=sgd?"),  # a group's choice
     ("train.path=x", "Key 'path' not in 'TrainConfig'; did you mean data.path?"),  # (data=files: a ??? key)
     ("hydra.run.name=x", "Key 'name' not in 'RunDir'"),  # Hydra's own: no guess
-    # a key of another option of the same group: the job's own option first (data=files builds the same
-    # TextClassification as data=sentiment; data=corpus, the MLM's, after it)
-    ("data.path=x.csv", "Key 'path' is not in struct; did you mean data=files data.path=x.csv (or data=corpus)?"),
+    # a key of another option of the same group: of model and data only those of the same job (data=files builds
+    # the TextClassification data=sentiment builds; data=corpus, which has a path too, the MLM's), of a logger under
+    # its package, before a key of that name in another group (resume.mode)
+    ("data.path=x.csv", "Key 'path' is not in struct; did you mean data=files data.path=x.csv?"),
     ("optimizer.momentum=0.9", "Key 'momentum' is not in struct; did you mean optimizer=sgd optimizer.momentum=0.9?"),
+    ("logger.mode=online", "Key 'mode' not in 'LoggerConfig'; did you mean logger.wandb.mode=online?"),
+    # (model=bert_bench has layers: the benchmark's model, not offered; the closest of the chosen model's is)
+    ("model.layers=4", "Key 'layers' is not in struct; did you mean model.num_labels?"),
 ])
 def test_a_key_put_in_the_wrong_group_names_the_group_it_belongs_to(tmp_path: Path, override: str, fix: str) -> None:
-    data = [] if override.startswith("data.") else ["data=files"]
+    data = [] if override.startswith(("data.", "model.")) else ["data=files"]
     out = run_cli("+exp=bert", *data, override, "launcher.dry_run=true", cwd=tmp_path)
     key = override.split("=")[0]
     assert out.returncode == 2 and out.stderr.strip() == f"error: Could not override '{key}'; {fix}", out.stderr

@@ -20,7 +20,9 @@ from launcher.launch.label_checks import check_labels
 from launcher.rundir import PRETRAINED_KEYS, is_run_dir, newest_checkpoint, pinned_checkpoint
 
 PATH_KEYS = ("path", "eval_path")  # data files a job reads
-SOURCE_KEY, FILES_SOURCE = "source", "files"  # where a text job's samples come from; the value that reads PATH_KEYS
+# where a text job's samples come from: files reads PATH_KEYS, these others leave them unread (a job of the user's
+# may have sources of its own that read them: not refused)
+SOURCE_KEY, FILES_SOURCE, OTHER_SOURCES = "source", "files", ("embedded", "hub")
 MAX_SCANNED_BYTES = 256 << 20  # data files the parent reads whole for empty cells, labels (larger: the job finds them)
 COLUMN_KEYS = ("text_fields", "label_field", "text_field")  # columns a tabular file must hold
 TEXT_FIELDS_KEY = "text_fields"  # columns tokenized together: a text, or a pair (a tokenizer takes no third)
@@ -93,6 +95,7 @@ def _first_empty_cell(path: Path, fields: list[str]) -> tuple[int, str] | None:
 
 def check_job_inputs(config: dict[str, Any], pinned: dict[str, dict[str, str]]) -> None:
     """`pinned`: this run dir's pinned_pretrained, the checkpoints its earlier starts built from."""
+    _check_source(config.get("data") or {})  # before the files' own checks: a file that is not there would be unread
     for group in ("model", "data"):  # model first: data.tokenizer usually repeats model.pretrained
         section = config.get(group) or {}
         for key in PATH_KEYS:
@@ -121,7 +124,6 @@ def check_job_inputs(config: dict[str, Any], pinned: dict[str, dict[str, str]]) 
     if checkpointing is not None and not isinstance(checkpointing, bool):
         raise ConfigError(f"model.{CHECKPOINTING_KEY}={checkpointing} must be true or false")
     data = config.get("data") or {}
-    _check_source(data)
     _check_lengths(data.get(LENGTH_KEY), data.get(PAD_KEY),
                    _model_source((config.get("model") or {}).get("pretrained"), pinned))
     fields = data.get(TEXT_FIELDS_KEY)
@@ -153,7 +155,7 @@ def _check_source(data: dict[str, Any]) -> None:
     data.source=files) would train on the embedded set, silently: the job reads its files only from that source."""
     source = data.get(SOURCE_KEY)
     for key in PATH_KEYS:
-        if isinstance(source, str) and source != FILES_SOURCE and data.get(key):
+        if source in OTHER_SOURCES and data.get(key):
             raise ConfigError(f"data.{key}={data[key]} is read only with data.{SOURCE_KEY}={FILES_SOURCE}, and "
                               f"data.{SOURCE_KEY} is {source} here; add data.{SOURCE_KEY}={FILES_SOURCE}")
 

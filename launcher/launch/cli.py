@@ -85,15 +85,31 @@ def shared_run_dir(nnodes: int) -> None:
                           f"nodes see> (the default run dir holds each node's own launch time and pid)")
 
 
-# Hydra's options that take no value. argparse reads the overrides as one run of words after the options, so one
-# in their midst failed: `+exp=toy -m train.seed=1,2` was "unrecognized arguments: train.seed=1,2"
-HYDRA_FLAGS = {"-m", "--multirun", "-r", "--run", "--resolve", "-h", "--help", "--hydra-help", "--version"}
+# Hydra's options that take a value (--cfg job) and --info's optional one. argparse reads the overrides as one run of
+# words after the options, so an option in their midst failed: `+exp=toy -m train.seed=1,2` was "unrecognized
+# arguments: train.seed=1,2". (An override never starts with "-": key=value, +key, ~key.)
+HYDRA_VALUE_OPTIONS = {"--cfg", "-c", "--package", "-p", "--config-path", "-cp", "--config-name", "-cn",
+                       "--config-dir", "-cd", "--experimental-rerun"}
+HYDRA_INFO_OPTIONS, HYDRA_INFO_CHOICES = {"--info", "-i"}, {"all", "config", "defaults", "defaults-tree", "plugins",
+                                                             "searchpath"}
 
 
 def flags_first(args: list[str]) -> list[str]:
-    """The command's words with Hydra's value-less flags first: `+exp=toy -m train.seed=1,2` sweeps as
-    `-m +exp=toy train.seed=1,2` does."""
-    return [arg for arg in args if arg in HYDRA_FLAGS] + [arg for arg in args if arg not in HYDRA_FLAGS]
+    """The command's words with Hydra's options (each with its value) before the overrides: `+exp=toy -m
+    train.seed=1,2` sweeps as `-m +exp=toy train.seed=1,2` does, `+exp=toy --cfg job x=1` prints that job."""
+    options, overrides, words = [], [], iter(args)
+    for word in words:
+        if not word.startswith("-"):
+            overrides.append(word)
+            continue
+        options.append(word)
+        takes = word in HYDRA_VALUE_OPTIONS or word in HYDRA_INFO_OPTIONS
+        value = next(words, None) if takes else None
+        if value is not None and (word in HYDRA_VALUE_OPTIONS or value in HYDRA_INFO_CHOICES):
+            options.append(value)
+        elif value is not None:  # --info's value is optional: that word was an override
+            overrides.append(value)
+    return options + overrides
 
 
 @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")

@@ -114,16 +114,12 @@ def _composed_without(full_key: str) -> DictConfig | None:
 
 
 def _argparse_hint(message: str) -> str:
-    """Hydra's argparse error, without the usage text before it: the words it did not take, and the fix. (A flag
-    such as -m is moved before the overrides already: cli.flags_first.)"""
-    refused = re.search(r"error: unrecognized arguments: (.*)$", message)
-    if not refused:
-        return message.split(": error: ", 1)[1] if message.startswith("usage:") and ": error: " in message else message
-    words = refused.group(1)
-    if "=" in words:  # overrides after an option that takes a value (--cfg job): argparse takes none past it
-        return (f"unrecognized arguments: {words}; Hydra's options go before the overrides, e.g. python -m launcher "
-                f"--cfg job +exp=... key=value")
-    return f"unrecognized arguments: {words}; python -m launcher --help lists the options"
+    """Hydra's argparse error without the usage text before it. (Its options are before the overrides already,
+    wherever they were typed: cli.flags_first; what is left is an option it does not have, or a bad value.)"""
+    if not message.startswith("usage:") or ": error: " not in message:
+        return message
+    refused = message.split(": error: ", 1)[1]
+    return f"{refused}; python -m launcher --help lists the options" if "unrecognized" in refused else refused
 
 
 def _group_hint(message: str) -> str:

@@ -15,6 +15,7 @@ import difflib
 import importlib.util
 import inspect
 import os
+import re
 import sys
 from pathlib import Path
 from typing import Any, get_args, get_type_hints
@@ -26,6 +27,7 @@ from launcher.derived import ConfigError
 
 CONF_DIR = Path(__file__).resolve().parents[2] / "conf"  # the repo's config groups, one folder each
 TARGET_GROUPS = ("model", "data", "optimizer")
+JOB_GROUPS = ("model", "data")  # their _target_ is the job: an option of another target is another job
 HYDRA_KEYS = {"_target_", "_partial_", "_convert_", "_recursive_", "_args_"}
 GIVEN_BY_THE_WORKER = {"params"}  # the optimizer's parameters: the worker passes them
 
@@ -94,24 +96,39 @@ def elsewhere(cfg: DictConfig, full_key: str) -> str | None:
     found = [f"{other}.{name}" for other, node in top.items()
              if other != root and isinstance(node, DictConfig) and name in node.keys()]
     chosen = top.get(root)
-    options = (_options_with(root, name, chosen.get("_target_") if isinstance(chosen, DictConfig) else None)
-               if group and group == root and (CONF_DIR / root).is_dir() else [])  # (not train.scheduler.x, nor +seed)
-    if options and (options[0][1] or not found):  # an option of the same job beats a key of another group
-        rest = "".join(f" (or {root}={option})" for option, _ in options[1:])
-        return f"{root}={options[0][0]} {full_key}{value}{rest}"  # (data.path=x: data=files data.path=x)
+    option = (_option_with(root, full_key, value, chosen) if group and group == root and (CONF_DIR / root).is_dir()
+              else None)  # (not train.scheduler.x, nor +seed)
+    if option and (option[1] or not found):  # an option of the same job beats a key of another group
+        return option[0]
     return " or ".join(found) or None  # (+seed=1: data.seed or train.seed)
 
 
-def _options_with(group: str, name: str, target: object) -> list[tuple[str, bool]]:
-    """The options of conf/<group>/ that have the key `name`, each with whether it builds the same `_target_` as the
-    chosen one (data.path under data=sentiment: data=files, the same job's own files; data=corpus, the MLM's, after
-    it). Read as written: nothing is composed or resolved."""
-    options = []
+def _option_with(group: str, full_key: str, value: str, chosen: object) -> tuple[str, bool] | None:
+    """The override that another option of `group` would take the key with, and whether that option builds the chosen
+    one's `_target_` (or holds the key under the group's own package); its other options after it. Read from conf/<group>/*.yaml as written (nothing composed or
+    resolved). data.path=x under data=sentiment: data=files data.path=x (data=corpus builds the MLM: another job,
+    never offered to a classifier); optimizer.momentum=x under adamw: optimizer=sgd optimizer.momentum=x; a logger's
+    keys live under its package: logger.mode=x is logger.wandb.mode=x."""
+    name = full_key.rpartition(".")[2]
+    target = _raw(chosen).get("_target_")
+    found = []
     for path in sorted(CONF_DIR.glob(f"{group}/*.yaml")):
-        node = OmegaConf.load(path)
-        if isinstance(node, DictConfig) and name in node.keys():
-            options.append((path.stem, target is not None and node.get("_target_") == target))
-    return sorted(options, key=lambda option: not option[1])
+        package = re.match(r"#\s*@package\s+(\S+)", path.read_text(encoding="utf-8"))
+        node = _raw(OmegaConf.load(path))
+        same = bool(package) or (target is not None and node.get("_target_") == target)  # (a logger's: the group's)
+        if name not in node or (package and package.group(1) == "_global_") or (group in JOB_GROUPS and not same):
+            continue
+        override = f"{package.group(1)}.{name}{value}" if package else f"{group}={path.stem} {full_key}{value}"
+        found.append((not same, node[name] != "???", override, same))  # a key the option requires (???) first
+    if not found:
+        return None
+    first, *rest = sorted(found)
+    return first[2] + (f" (or {', '.join(other[2].split(' ')[0] for other in rest)})" if rest else ""), first[3]
+
+
+def _raw(node: object) -> dict:
+    """A config node's keys and values as written: interpolations and ??? unresolved."""
+    return OmegaConf.to_container(node, resolve=False) if isinstance(node, DictConfig) else {}
 
 
 def closest(key: str, taken: set[str]) -> str | None:

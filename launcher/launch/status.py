@@ -82,7 +82,7 @@ def main(argv: list[str]) -> int:
     slurm = slurm_states([job for job in jobs.values() if job])  # one query for a whole sweep
     rows = [describe(run_dir, job, slurm) for run_dir, job in jobs.items()]
     if not rows:
-        print(f"error: no run dir (with a config.yaml) under {argv[0]}", file=sys.stderr)
+        print(f"error: no run dir (a config.yaml with a launch.json) under {argv[0]}", file=sys.stderr)
         return 2
     if len(rows) > 1:  # a sweep: which values each point ran with (what all its points share, left out)
         overrides = {run_dir: _overrides(run_dir) for run_dir in jobs}
