@@ -105,10 +105,10 @@ def elsewhere(cfg: DictConfig, full_key: str) -> str | None:
 
 def _option_with(group: str, full_key: str, value: str, chosen: object) -> tuple[str, bool] | None:
     """The override that another option of `group` would take the key with, and whether that option builds the chosen
-    one's `_target_` (or holds the key under the group's own package); its other options after it. Read from conf/<group>/*.yaml as written (nothing composed or
-    resolved). data.path=x under data=sentiment: data=files data.path=x (data=corpus builds the MLM: another job,
-    never offered to a classifier); optimizer.momentum=x under adamw: optimizer=sgd optimizer.momentum=x; a logger's
-    keys live under its package: logger.mode=x is logger.wandb.mode=x."""
+    one's `_target_` (or holds the key under the group's own package); its other options after it. Read from
+    conf/<group>/*.yaml as written (nothing composed or resolved). data.path=x under data=sentiment: data=files
+    data.path=x (data=corpus builds the MLM: another job, never offered to a classifier); optimizer.momentum=x under
+    adamw: optimizer=sgd optimizer.momentum=x; a logger's keys live under its package: logger.wandb.mode=x."""
     name = full_key.rpartition(".")[2]
     target = _raw(chosen).get("_target_")
     found = []
