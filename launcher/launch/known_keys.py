@@ -113,8 +113,8 @@ def _option_with(group: str, full_key: str, value: str, chosen: object) -> tuple
     target = _raw(chosen).get("_target_")
     found = []
     for path in sorted(CONF_DIR.glob(f"{group}/*.yaml")):
-        package = re.match(r"#\s*@package\s+(\S+)", path.read_text(encoding="utf-8"))
-        node = _raw(OmegaConf.load(path))
+        text = path.read_text(encoding="utf-8")  # read once: its package header, then its keys
+        package, node = re.match(r"#\s*@package\s+(\S+)", text), _raw(OmegaConf.create(text))
         same = bool(package) or (target is not None and node.get("_target_") == target)  # (a logger's: the group's)
         if name not in node or (package and package.group(1) == "_global_") or (group in JOB_GROUPS and not same):
             continue
