@@ -11,6 +11,7 @@ import shutil
 import sys
 from contextlib import nullcontext
 from dataclasses import asdict
+from itertools import islice
 from pathlib import Path
 
 import hydra
@@ -103,12 +104,11 @@ def flags_first(args: list[str]) -> list[str]:
             overrides.append(word)
             continue
         options.append(word)
-        takes = word in HYDRA_VALUE_OPTIONS or word in HYDRA_INFO_OPTIONS
-        value = next(words, None) if takes else None
-        if value is not None and (word in HYDRA_VALUE_OPTIONS or value in HYDRA_INFO_CHOICES):
-            options.append(value)
-        elif value is not None:  # --info's value is optional: that word was an override
-            overrides.append(value)
+        if word in HYDRA_VALUE_OPTIONS:
+            options.extend(islice(words, 1))
+        elif word in HYDRA_INFO_OPTIONS:  # its value is optional: a word that is none of its choices is an override
+            following = list(islice(words, 1))
+            (options if following and following[0] in HYDRA_INFO_CHOICES else overrides).extend(following)
     return options + overrides
 
 
