@@ -128,13 +128,16 @@ def test_preemption_and_kill_9_under_fsdp_resume_bitwise(tmp_path: Path, referen
 def test_fp16_skips_and_rescales_under_fsdp_as_under_ddp_and_bf16_trains(tmp_path: Path) -> None:
     """A loss scale far too large: the first steps overflow on some shards; every rank skips them together and
     halves the scale alike, then it grows again every 5 steps, exactly as DDP's does (FSDP2 gathers the weights in
-    fp16 and reduces the gradients in float32). bf16 (FSDP2's bf16 gathers, under autocast) trains too."""
+    fp16 and reduces the gradients in float32). bf16 (FSDP2's bf16 gathers, under autocast) trains too, with SGD and
+    momentum: torch's sharded tensors have no rule for fused SGD's kernel, which DDP runs take."""
     common = ("+exp=toy", "precision.init_scale=1e8", "precision.growth_interval=5", "train.max_steps=40",
               "train.log_every=5", "train.eval_every=0")
     logs = {}
-    for name, precision in (("ddp", "fp16"), ("fsdp", "fp16"), ("fsdp", "bf16")):
+    for name, precision, optimizer in (("ddp", "fp16", ()), ("fsdp", "fp16", ()),
+                                       ("fsdp", "bf16", ("optimizer=sgd", "optimizer.momentum=0.9"))):
         run_dir = tmp_path / f"{name}-{precision}"
-        out = run_cli(*common, f"strategy={name}", f"precision={precision}", f"hydra.run.dir={run_dir}", cwd=tmp_path)
+        out = run_cli(*common, *optimizer, f"strategy={name}", f"precision={precision}", f"hydra.run.dir={run_dir}",
+                      cwd=tmp_path)
         assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
         logs[name, precision] = [m for m in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
                                  if "loss" in m]
@@ -219,7 +222,8 @@ def test_fsdp_on_this_torch_trains_or_is_refused_in_one_line(tmp_path: Path, req
     (("strategy.block=BertLayer",), "strategy.block=BertLayer has no effect with strategy=ddp unless "
                                     "train.compile_scope=block compiles the blocks"),
     (("strategy=fsdp", "train.compile=true", "train.compile_scope=model"), "strategy=fsdp compiles each block"),
-], ids=["ddp-split", "cuda-graphs", "comm-hook", "ddp-block", "whole-model"])
+    (("strategy=fsdp", "optimizer=sgd", "+optimizer.fused=true"), "have no rule for fused SGD's kernel"),
+], ids=["ddp-split", "cuda-graphs", "comm-hook", "ddp-block", "whole-model", "fused-sgd"])
 def test_what_fsdp_cannot_do_is_refused_in_the_parent(overrides: tuple[str, ...], message: str) -> None:
     cfg = compose_config("+exp=toy", *overrides)
     with pytest.raises(ConfigError, match=message):

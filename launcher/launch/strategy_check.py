@@ -52,3 +52,7 @@ def check_strategy(cfg: DictConfig, device_type: str, compiles: bool) -> None:
         if cfg.dist[key] != default:
             raise ConfigError(f"dist.{key}={cfg.dist[key]} is DDP's and has no effect with strategy=fsdp; drop it, "
                               f"or use strategy=ddp")
+    if cfg.optimizer.get("fused") and str(cfg.optimizer.get("_target_")).endswith(".SGD"):
+        raise ConfigError("optimizer.fused=true: torch's sharded tensors (DTensor, which strategy=fsdp trains) have no "
+                          "rule for fused SGD's kernel; drop optimizer.fused (torch's default, foreach on GPUs), or use "
+                          "strategy=ddp")

@@ -13,6 +13,8 @@ import math
 from pathlib import Path
 from typing import Any
 
+from omegaconf import DictConfig
+
 from launcher.rundir import BEST_FILE, write_atomically
 
 
@@ -69,3 +71,15 @@ def write_best(run_dir: Path, record: dict[str, Any] | None) -> None:
         write_atomically(run_dir / BEST_FILE, json.dumps(record, indent=2) + "\n")
     else:
         (run_dir / BEST_FILE).unlink(missing_ok=True)
+
+
+def best_eval(task: Any, train_cfg: DictConfig) -> Best:
+    """train.best_metric, checked against the job's eval metrics before the first step (their names come from
+    eval_metrics, a function of the eval sums)."""
+    metric = train_cfg.best_metric
+    if metric:
+        names = [] if task.eval_set is None else list(task.eval_metrics({k: 1.0 for k in task.eval_sum_keys}))
+        if metric not in names:
+            raise ValueError(f"train.best_metric={metric} is not an eval metric of this job "
+                             f"({', '.join(names) or 'it has no eval set'}); name one of them, or null")
+    return Best(metric, train_cfg.best_mode)

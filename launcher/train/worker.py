@@ -28,7 +28,7 @@ from launcher.process_exit import exit_without_teardown
 from launcher.train import checkpoint, micro_batch, sharded_checkpoint, sharding
 from launcher.train import dist as launcher_dist
 from launcher.train.background_save import BackgroundSave
-from launcher.train.best import Best
+from launcher.train.best import best_eval
 from launcher.train.compile_cache import CompileCache
 from launcher.train.compiled import (CompileWatch, cannot_compile, compile_blocks, compile_module,
                                      failures_in_one_line)
@@ -50,12 +50,14 @@ from launcher.train.watchdog import Watchdog
 COMM_HOOKS = {"fp16": default_hooks.fp16_compress_hook, "bf16": default_hooks.bf16_compress_hook}
 
 
-def _takes_fused(optimizer_cfg: DictConfig) -> bool:
+def _takes_fused(optimizer_cfg: DictConfig, strategy: str) -> bool:
     """Fused kernels for Adam/AdamW/SGD on every device, unless the config chooses (fused or foreach): they
     skip a non-finite step on the device (no host sync), and on the CPU AdamW's step is 5-7x faster than
     torch's default there, the per-tensor loop (bench/optimizer_step.py), so CPU runs also take the path
-    that GPU runs take."""
-    return not {"fused", "foreach"} & set(optimizer_cfg) and optimizer_cfg._target_.rsplit(".", 1)[-1] in ("Adam", "AdamW", "SGD")
+    that GPU runs take. Not SGD under strategy=fsdp: torch's sharded tensors (DTensor) have no rule for its
+    fused kernel (aten._fused_sgd_, torch 2.13), so it takes torch's default (foreach on GPUs)."""
+    fused = ("Adam", "AdamW") if strategy == "fsdp" else ("Adam", "AdamW", "SGD")
+    return not {"fused", "foreach"} & set(optimizer_cfg) and optimizer_cfg._target_.rsplit(".", 1)[-1] in fused
 
 
 def build(cfg: DictConfig, run_dir: Path, env: launcher_dist.DistEnv) -> Run:
@@ -67,7 +69,9 @@ def build(cfg: DictConfig, run_dir: Path, env: launcher_dist.DistEnv) -> Run:
                                             warn=lambda message: print(message, file=sys.stderr, flush=True))
     task = build_part("data", cfg.data, **sources["data"])
     check_task(task, cfg.data._target_)
-    model = build_part("model", cfg.model, **sources["model"]).to(env.device)
+    model = build_part("model", cfg.model, **sources["model"])
+    if cfg.strategy.name != "fsdp":  # fsdp: fully_shard moves each block's shard to the device as it cuts it, so a
+        model.to(env.device)  # model that fits only sharded is never whole on one GPU
     model.train()  # dropout on from step 1: HF's from_pretrained returns a model in eval mode
     precision = Precision(node_precision(cfg.precision.name, env), env.device.type, train_cfg.tf32)
     precision.apply_tf32()  # before compile, which reads it
@@ -90,7 +94,7 @@ def build(cfg: DictConfig, run_dir: Path, env: launcher_dist.DistEnv) -> Run:
                                                      train_cfg.compile_fullgraph, train_cfg.compile_ddp_split)
                        if compiling and not by_block else model)
     seed_all(train_cfg.seed * 1_000_003 + env.rank)  # dropout/augmentation noise differs per rank
-    fused = {"fused": True} if _takes_fused(cfg.optimizer) else {}
+    fused = {"fused": True} if _takes_fused(cfg.optimizer, cfg.strategy.name) else {}
     # _convert_: plain lists (betas) in the optimizer's state, so checkpoints load with weights_only=True
     # on every torch (2.6's unpickler refuses omegaconf's ListConfig)
     optimizer = build_part("optimizer", cfg.optimizer, params=trained.parameters(), _convert_="all", **fused)
@@ -171,18 +175,6 @@ def compile_turned_off(cfg: DictConfig, env: launcher_dist.DistEnv) -> bool:
         return True
     torch._dynamo.config.suppress_errors = True
     return False
-
-
-def best_eval(task: Any, train_cfg: DictConfig) -> Best:
-    """train.best_metric, checked against the job's eval metrics before the first step (their names come from
-    eval_metrics, a function of the eval sums)."""
-    metric = train_cfg.best_metric
-    if metric:
-        names = [] if task.eval_set is None else list(task.eval_metrics({k: 1.0 for k in task.eval_sum_keys}))
-        if metric not in names:
-            raise ValueError(f"train.best_metric={metric} is not an eval metric of this job "
-                             f"({', '.join(names) or 'it has no eval set'}); name one of them, or null")
-    return Best(metric, train_cfg.best_mode)
 
 
 def restore(run: Run, state: dict[str, Any] | None, seed: int, allow_config_change: bool) -> Progress:
