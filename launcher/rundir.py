@@ -25,11 +25,11 @@ LOG_FILE = "launcher.log"  # what the launcher and rank 0 printed, every start o
 ERROR_FILE = "error.txt"  # why the last start failed: its one line, then the failed rank's traceback
 
 
-def write_atomically(path: Path, text: str) -> None:
-    """Replace `path` with `text` so that a reader sees the old file or the new one, never half of one. The
+def write_atomically(path: Path, data: str | bytes) -> None:
+    """Replace `path` with `data` so that a reader sees the old file or the new one, never half of one. The
     temp file is this host's and process's own: ranks, and nodes sharing the run dir, may write at once."""
     tmp = path.with_name(f"{path.name}.{platform.node()}.{os.getpid()}.tmp")
-    tmp.write_text(text)
+    tmp.write_bytes(data) if isinstance(data, bytes) else tmp.write_text(data)
     os.replace(tmp, path)
 
 

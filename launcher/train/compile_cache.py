@@ -17,12 +17,14 @@ from __future__ import annotations
 
 import logging
 import os
+from contextlib import suppress
 from pathlib import Path
 from typing import Callable
 
 import torch
 
 from launcher.compat import COMPILE_CACHE_ARTIFACTS
+from launcher.rundir import write_atomically
 from launcher.train import USER_INDUCTOR_CACHE
 
 CACHE_VARIABLE = "TORCHINDUCTOR_CACHE_DIR"
@@ -67,20 +69,20 @@ class CompileCache:
             torch_log.setLevel(level)
         if not loaded:
             aside = self.file.with_name(self.file.name + ".unusable")
-            os.replace(self.file, aside)
+            with suppress(FileNotFoundError):  # the same local rank of another node sharing the run dir moved it
+                os.replace(self.file, aside)
             warn(f"warning: the compile cache {self.file} did not load ({why}); moved to {aside.name}, compiling anew")
 
     def saved(self, graphs: int) -> None:
         """After this rank compiled more graphs (read at log steps): keep its artifacts for the next start. The
-        file is this local rank's own, replaced whole: no collective, and a reader sees an old or a new one."""
+        file is this local rank's, replaced whole: no collective, and a reader sees an old or a new one (on several
+        nodes sharing the run dir, the same local rank of each writes it: each a whole file of the same graphs)."""
         if self.kind != "artifacts" or graphs <= self.graphs:
             return
         artifacts = torch.compiler.save_cache_artifacts()
         if artifacts is not None:
             self.file.parent.mkdir(parents=True, exist_ok=True)
-            tmp = self.file.with_name(f"{self.file.name}.{os.getpid()}.tmp")
-            tmp.write_bytes(artifacts[0])
-            os.replace(tmp, self.file)
+            write_atomically(self.file, artifacts[0])
         self.graphs = graphs
 
 
