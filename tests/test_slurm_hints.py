@@ -1,6 +1,6 @@
 """What launcher=slurm says beside a job's own result, against the real cluster of slurm/cluster.sh (the cluster
-fixture, tests/conftest.py): a controller that does not answer is named as such, and `python -m
-launcher.launch.status <sweep dir>` shows the values each point ran with."""
+fixture, tests/conftest.py): a controller that does not answer is named as such, what sbatch refuses is one line,
+and `python -m launcher.launch.status <sweep dir>` shows the values each point ran with."""
 from __future__ import annotations
 
 import subprocess
@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from conftest import on_the_cpu_plan, run_cli, subprocess_env
+from helpers import store
 
 pytestmark = pytest.mark.slow
 TOY = ("+exp=toy", "train.max_steps=4", "train.log_every=1", "train.eval_every=0", "train.global_batch_size=16",
@@ -50,3 +51,17 @@ def test_status_of_a_sweep_shows_the_overrides_its_points_do_not_share(cluster, 
     assert sorted(shown) == [(str(sweep / "0"), "optimizer.lr=0.001"), (str(sweep / "1"), "optimizer.lr=0.002")], \
         status.stdout
     assert all(" COMPLETED " in row for row in rows), status.stdout
+
+
+def test_what_sbatch_refuses_is_one_line_and_leaves_nothing(cluster, tmp_path: Path) -> None:
+    """A partition the cluster has not: a traceback (exit 1) left the run dir and a RUNNING MLflow run behind."""
+    out = run_cli(*TOY, "launcher=slurm", "launcher.partition=nope", "logger=[mlflow]",
+                  f"hydra.run.dir={tmp_path / 'runs' / 'run'}", cwd=tmp_path)
+    assert out.returncode == 2 and out.stderr.strip().splitlines() == [
+        "error: sbatch refused the job: invalid partition specified: nope; Batch job submission failed: Invalid "
+        "partition name specified (launcher.partition=nope, launcher.nodes=1, launcher.timeout_min=60); check them "
+        "against the cluster (sinfo, sacctmgr show assoc)"], out.stderr
+    assert not (tmp_path / "runs" / "run").exists()
+    (run,) = store(tmp_path).search_runs([store(tmp_path).get_experiment_by_name("toy").experiment_id])
+    assert run.info.status == "FAILED"
+

@@ -31,7 +31,7 @@ from launcher.launch.plan import Plan, make_plan, resolve, write_config
 from launcher.launch.resume import check_resume, finished
 from launcher.launch.run_lock import LOCK_FILE, launch_lock
 from launcher.launch.run_log import kept_in
-from launcher.launch.slurm import active_job
+from launcher.launch.slurm import active_job, job_goes_on
 from launcher.launch.slurm_submit import dependency, queue
 from launcher.launch.tracker_start import hydra_point, mark_failed, start_trackers
 from launcher.preempt import REQUEUE_EXIT_CODE, read_preempted, release_early_signals
@@ -124,6 +124,10 @@ def main(cfg: DictConfig) -> None:
     nodes = cfg.launcher.name == "local" and str(cfg.launcher.get("nnodes", 1)) != "1"
     with nullcontext() if nodes else launch_lock(run_dir) as holder:
         if holder:  # its checkpoints change as we look: check nothing, write nothing
+            active = active_job(run_dir)  # the holder is the run dir's Slurm job: said as when it was queued
+            if active:
+                print(job_goes_on(run_dir, active), flush=True)
+                return
             if HydraConfig.get().mode == RunMode.MULTIRUN:  # two runs of one sweep's command share its points
                 print(f"run dir {run_dir}: a launch ({holder}) runs this point; going on with the next", flush=True)
                 return
@@ -167,8 +171,7 @@ def launch(cfg: DictConfig, run_dir: Path) -> None:
         done = finished(run_dir, config, resume_step)
         active = None if done else active_job(run_dir)
         if done or active:
-            print(done or f"run dir {run_dir}: its {active}; nothing to start (it resumes there by itself; scancel "
-                          f"it first to start this command instead)", flush=True)
+            print(done or job_goes_on(run_dir, active), flush=True)
             return
         check_inputs(config, run_dir)  # (inputs of a finished run may be gone meanwhile)
         point = hydra_point(run_dir)

@@ -22,6 +22,7 @@ from launcher.launch.environment import record_slurm_job
 from launcher.launch.local import c10d_rendezvous, run_agent
 from launcher.launch.plan import Plan
 from launcher.launch.run_lock import launch_lock
+from launcher.launch.run_log import kept_in
 from launcher.preempt import OUT_OF_MEMORY_EXIT_CODE, PREEMPTED_FILE, REQUEUE_EXIT_CODE, read_preempted
 from launcher.train.phases import LAUNCH_TIME
 
@@ -56,6 +57,15 @@ def slurm_state(job_id: str) -> str:
     return slurm_states([job_id])[job_id]
 
 
+def ended_state(job_id: str, timeout_s: float = 30) -> str:
+    """The state Slurm gives a job whose task has ended: submitit sees the task's result (or its error) before the
+    task's process, the epilog and accounting end, so sacct says RUNNING for a few seconds more."""
+    deadline = time.monotonic() + timeout_s
+    while (state := slurm_state(job_id)) in ACTIVE and time.monotonic() < deadline:
+        time.sleep(1)
+    return state
+
+
 def recorded_job(run_dir: Path) -> str | None:
     """The id of the run dir's Slurm job, from its slurm.json (None: the run was never submitted)."""
     record = run_dir / JOB_FILE
@@ -69,6 +79,12 @@ def active_job(run_dir: Path) -> str | None:
         return None
     state = slurm_state(job_id)
     return f"job {job_id} is {state}" if state in ACTIVE else None
+
+
+def job_goes_on(run_dir: Path, active: str) -> str:
+    """What a launch into a run dir whose Slurm job has not ended says (active_job's words), and starts nothing."""
+    return (f"run dir {run_dir}: its {active}; nothing to start (it resumes there by itself; scancel it first to start "
+            f"this command instead)")
 
 
 def rendezvous_port(job_id: str, restart: int) -> int:
@@ -95,7 +111,8 @@ class NodeTask(submitit.helpers.Checkpointable):
             env.paths.result_pickle.unlink(missing_ok=True)
         # The job holds its run dir's lock as a local launch does (the first node, for all): a launch that got past
         # slurm.json (its sacct and squeue had no answer) starts nothing while the job runs, nor the job while it does
-        with launch_lock(run_dir) if env.global_rank == 0 else nullcontext() as holder:
+        # launcher.log keeps each node's lines as a local launch's does: a failed start's error line too
+        with kept_in(run_dir), launch_lock(run_dir) if env.global_rank == 0 else nullcontext() as holder:
             if holder:
                 raise RuntimeError(f"run dir {run_dir}: a launch ({holder}) runs there; job {env.job_id} starts nothing "
                                    f"(stop that launch, then resubmit with hydra.run.dir={run_dir})")

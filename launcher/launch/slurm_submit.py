@@ -25,7 +25,8 @@ from submitit.core.utils import FailedJobError
 from launcher.derived import ConfigError
 from launcher.launch.local import c10d_rendezvous, torchrun_args
 from launcher.launch.plan import Plan
-from launcher.launch.slurm import ACTIVE, JOB_FILE, NodeTask, recorded_job, slurm_state
+from launcher.launch.run_log import failure_line
+from launcher.launch.slurm import ACTIVE, JOB_FILE, NodeTask, ended_state, recorded_job, slurm_state
 from launcher.launch.tracker_start import mark_failed
 from launcher.preempt import signal_named
 from launcher.rundir import SUMMARY_FILE
@@ -220,7 +221,9 @@ def wait_for(jobs: list[submitit.Job], runs: list[Submission]) -> int:
                 job.results()
             except Exception:  # a raising task ends FAILED in Slurm (CANCELLED: a scancel), and fails the wait here
                 failed += 1
-                print(f"error: job {job.job_id} ended {slurm_state(job.job_id)}: run dir {run.run_dir}, log "
+                why = failure_line(run.run_dir)  # the start's own line (error.txt), where a node wrote one
+                why = why.removeprefix("error: ").replace(f" (run dir {run.run_dir})", "") if why else "see its log"
+                print(f"error: job {job.job_id} ended {ended_state(job.job_id)}: {why}; run dir {run.run_dir}, log "
                       f"{job.paths.stdout}; relaunch with hydra.run.dir={run.run_dir} to resume", file=sys.stderr)
     except KeyboardInterrupt:
         ids = " ".join(job.job_id for job in jobs)
