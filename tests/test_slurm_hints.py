@@ -59,8 +59,9 @@ def test_what_sbatch_refuses_is_one_line_and_leaves_nothing(cluster, tmp_path: P
                   f"hydra.run.dir={tmp_path / 'runs' / 'run'}", cwd=tmp_path)
     assert out.returncode == 2 and out.stderr.strip().splitlines() == [
         "error: sbatch refused the job: invalid partition specified: nope; Batch job submission failed: Invalid "
-        "partition name specified (launcher.partition=nope, launcher.nodes=1, launcher.timeout_min=60); check them "
-        "against the cluster (sinfo, sacctmgr show assoc)"], out.stderr
+        "partition name specified (launcher.partition=nope, launcher.nodes=1, launcher.timeout_min=60, "
+        "launcher.nproc_per_node=2 (a CPU each)); check them against the cluster (sinfo, sacctmgr show assoc)"
+    ], out.stderr
     assert not (tmp_path / "runs" / "run").exists()
     (run,) = store(tmp_path).search_runs([store(tmp_path).get_experiment_by_name("toy").experiment_id])
     assert run.info.status == "FAILED"

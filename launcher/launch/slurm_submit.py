@@ -166,9 +166,11 @@ def submit_queued() -> int:
             print(f"error: sbatch could not reach the Slurm controller ({'; '.join(why)}); nothing was submitted: check "
                   f"that slurmctld runs and answers (scontrol ping), then launch again", file=sys.stderr)
             return 1
-        asked = ", ".join(f"launcher.{key}={launcher[key]}" for key in REQUESTED if launcher[key])
-        print(f"error: sbatch refused the job: {'; '.join(why) or str(err).strip()} ({asked}); check them against "
-              f"the cluster (sinfo, sacctmgr show assoc)", file=sys.stderr)
+        asked = [f"launcher.{key}={launcher[key]}" for key in REQUESTED if launcher[key]]
+        if not launcher["cpus_per_task"]:  # unset: a CPU per worker, so a refused CPU count is this key's
+            asked.append(f"launcher.nproc_per_node={plan.nproc_per_node} (a CPU each)")
+        print(f"error: sbatch refused the job: {'; '.join(why) or str(err).strip()} ({', '.join(asked)}); check them "
+              f"against the cluster (sinfo, sacctmgr show assoc)", file=sys.stderr)
         return 2
     for line in said:  # sbatch's warnings, if any
         print(line, file=sys.stderr)
