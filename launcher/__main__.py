@@ -14,6 +14,7 @@ os.environ["LAUNCHER_LAUNCH_TIME"] = str(time.time())  # the workers' start-up p
 from launcher.launch.cli import flags_first, main  # noqa: E402
 from launcher.launch.errors import hydra_errors_in_one_line  # noqa: E402
 from launcher.launch.slurm_submit import discard_queued, submit_queued  # noqa: E402
+from launcher.launch.sweep_dir import discard_new_sweep_dir  # noqa: E402
 from launcher.launch.tracker_start import end_sweeps  # noqa: E402
 from launcher.process_exit import exit_without_teardown  # noqa: E402
 
@@ -26,5 +27,7 @@ try:
     failed = code != 0
 finally:
     discard_queued()  # a sweep point's error, or sbatch's refusal: nothing half-made of what was not submitted
+    if failed:
+        discard_new_sweep_dir()  # (Hydra's multirun.yaml, written before a bad override stopped the first point)
     end_sweeps(failed)  # a -m sweep's parent tracker run ends once its points ran or were submitted
 exit_without_teardown(code)  # (a refusal's SystemExit, or an error, takes the slow way)

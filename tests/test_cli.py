@@ -107,6 +107,10 @@ def test_typo_fails_at_compose_time_naming_the_key(tmp_path: Path) -> None:
     out = run_cli("+exp=toy", "train.max_steps=abc", cwd=tmp_path)
     assert out.returncode != 0 and "train.max_steps" in out.stderr
     assert not (tmp_path / "runs").exists()
+    # in a sweep, Hydra makes the sweep dir and its multirun.yaml before the first point's override fails: removed
+    out = run_cli("-m", "+exp=toy", "train.lr=1e-3,1e-2", cwd=tmp_path)
+    assert out.returncode != 0 and "did you mean optimizer.lr?" in out.stderr
+    assert not (tmp_path / "multirun").exists()
 
 
 def test_cfg_job_prints_the_composed_config(tmp_path: Path) -> None:
