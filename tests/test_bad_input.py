@@ -14,7 +14,7 @@ from jobs.toy import ToyRegression
 from launcher.derived import ConfigError
 from launcher.launch.cli import check_inputs, checked_config
 from launcher.launch.resume import finished
-from launcher.launch.slurm import active_job
+from launcher.launch.slurm_jobs import active_job
 from launcher.train.job import build_part, check_task
 
 

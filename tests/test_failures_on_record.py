@@ -77,3 +77,15 @@ def test_a_dry_run_is_told_apart_and_torchrun_s_thread_banner_is_the_launcher_s_
                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert ran.returncode == 0, ran.stderr[-3000:]
     assert "OMP_NUM_THREADS" not in ran.stderr and re.search(r"2 worker\(s\) on cpu, \d+ thread\(s\) each", ran.stdout)
+
+
+def test_status_starts_without_torch_and_names_a_missing_dir(tmp_path: Path) -> None:
+    """status imported torch through the Slurm task's module (3.6 s a call here, 2.8 of them torch's import): the
+    job states it reads come from a module of their own. A dir that is not there was only a usage line."""
+    check = "import sys, launcher.launch.status; assert 'torch' not in sys.modules, 'status imports torch'"
+    assert subprocess.run([sys.executable, "-c", check], cwd=REPO, env=subprocess_env(), capture_output=True,
+                          text=True).returncode == 0
+    out = subprocess.run([sys.executable, "-m", "launcher.launch.status", str(tmp_path / "nope")], cwd=REPO,
+                         env=subprocess_env(), capture_output=True, text=True)
+    assert out.returncode == 2 and out.stderr.strip() == (f"error: {tmp_path / 'nope'} is not a directory; name a run "
+                                                          f"dir or a sweep dir (the launcher prints it)")

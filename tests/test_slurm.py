@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 
 from conftest import assert_same_float64_weights, read_metrics, run_cli, subprocess_env
 from launcher.launch.run_lock import launch_lock, lock_holder
-from launcher.launch.slurm import ACTIVE, slurm_state
+from launcher.launch.slurm_jobs import ACTIVE, slurm_state
 
 pytestmark = pytest.mark.slow
 TOY = ("+exp=toy", "train.max_steps=40", "train.log_every=1", "train.eval_every=0", "train.global_batch_size=16",

@@ -31,7 +31,7 @@ from launcher.launch.plan import Plan, make_plan, resolve, write_config
 from launcher.launch.resume import check_resume, finished
 from launcher.launch.run_lock import LOCK_FILE, launch_lock
 from launcher.launch.run_log import kept_in
-from launcher.launch.slurm import active_job, job_goes_on
+from launcher.launch.slurm_jobs import active_job, job_goes_on
 from launcher.launch.slurm_submit import dependency, queue
 from launcher.launch.tracker_start import hydra_point, mark_failed, start_trackers
 from launcher.preempt import REQUEUE_EXIT_CODE, read_preempted, release_early_signals

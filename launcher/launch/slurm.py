@@ -1,5 +1,5 @@
-"""Slurm's side of a job: what each node's task runs (torchrun's agent for that node's workers), its requeue,
-and the jobs' states. launcher/launch/slurm_submit.py submits the runs.
+"""Slurm's side of a job: what each node's task runs (torchrun's agent for that node's workers), and its requeue.
+launcher/launch/slurm_submit.py submits the runs; launcher/launch/slurm_jobs.py reads the jobs' states.
 
 Exercised by: `python -m launcher +exp=toy launcher=slurm` and tests/test_slurm.py (a real cluster).
 """
@@ -27,66 +27,6 @@ from launcher.preempt import OUT_OF_MEMORY_EXIT_CODE, PREEMPTED_FILE, REQUEUE_EX
 from launcher.train.phases import LAUNCH_TIME
 
 REQUEUES_FILE = "requeues.json"  # how often the job requeued itself (preempted, out of memory); launcher.max_requeues
-JOB_FILE = "slurm.json"  # the job id and log dir, for `python -m launcher.launch.status`
-# A job in these states still runs in its run dir, or will: a second one there would train beside it
-ACTIVE = {"PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "RESIZING",
-          "SUSPENDED", "SIGNALING", "STAGE_OUT", "STOPPED"}
-
-
-def slurm_states(job_ids: list[str]) -> dict[str, str]:
-    """Each job's state from accounting (sacct), else from the queue (squeue), UNKNOWN where neither knows it.
-    One call of each for all the jobs: Slurm asks programs not to call sacct in a loop (it loads slurmdbd), and
-    a `status` of a 100-point sweep would wait for 100 of them (18 s each when the controller is down)."""
-    states: dict[str, str] = {}
-    # sacct has no row for a pending array task (its array's row reads 7_[2-5%2]); squeue -r lists each task
-    for cmd in (["sacct", "-n", "-X", "-P", "-o", "JobID,State"], ["squeue", "-r", "-h", "-o", "%i|%T"]):
-        missing = {job: None for job in job_ids if job not in states}
-        if not missing:
-            break
-        try:
-            out = subprocess.run([*cmd, "-j", ",".join(missing)], capture_output=True, text=True, timeout=30).stdout
-        except (OSError, subprocess.TimeoutExpired):
-            continue
-        for job, _, state in (line.partition("|") for line in out.splitlines()):
-            if job in missing and job not in states and state.strip():
-                states[job] = state.split()[0]  # "CANCELLED by 0" -> CANCELLED
-    return {job: states.get(job, "UNKNOWN") for job in job_ids}
-
-
-def slurm_state(job_id: str) -> str:
-    return slurm_states([job_id])[job_id]
-
-
-def ended_state(job_id: str, timeout_s: float = 30) -> str:
-    """The state Slurm gives a job whose task has ended: submitit sees the task's result (or its error) before the
-    task's process, the epilog and accounting end, so sacct says RUNNING for a few seconds more."""
-    deadline = time.monotonic() + timeout_s
-    while (state := slurm_state(job_id)) in ACTIVE and time.monotonic() < deadline:
-        time.sleep(1)
-    return state
-
-
-def recorded_job(run_dir: Path) -> str | None:
-    """The id of the run dir's Slurm job, from its slurm.json (None: the run was never submitted)."""
-    record = run_dir / JOB_FILE
-    return json.loads(record.read_text())["job_id"] if record.is_file() else None
-
-
-def active_job(run_dir: Path) -> str | None:
-    """"job <id> is <state>" when the run dir's Slurm job has not ended (None: none, or it ended)."""
-    job_id = recorded_job(run_dir)
-    if job_id is None:
-        return None
-    state = slurm_state(job_id)
-    return f"job {job_id} is {state}" if state in ACTIVE else None
-
-
-def job_goes_on(run_dir: Path, active: str) -> str:
-    """What a launch into a run dir whose Slurm job has not ended says (active_job's words), and starts nothing."""
-    return (f"run dir {run_dir}: its {active}; nothing to start (it resumes there by itself; scancel it first to start "
-            f"this command instead)")
-
-
 def rendezvous_port(job_id: str, restart: int) -> int:
     """A port per job and per requeue, so that jobs sharing a node do not clash (no fixed 29500): a hash of the
     whole id (its digits alone made array tasks 1_23 and 12_3 one port), below Linux's ephemeral range

@@ -26,7 +26,8 @@ from launcher.derived import ConfigError
 from launcher.launch.local import c10d_rendezvous, torchrun_args
 from launcher.launch.plan import Plan
 from launcher.launch.run_log import failure_line
-from launcher.launch.slurm import ACTIVE, JOB_FILE, NodeTask, ended_state, recorded_job, slurm_state
+from launcher.launch.slurm import NodeTask
+from launcher.launch.slurm_jobs import ACTIVE, JOB_FILE, ended_state, recorded_job, slurm_state
 from launcher.launch.tracker_start import mark_failed
 from launcher.preempt import signal_named
 from launcher.rundir import SUMMARY_FILE

@@ -14,7 +14,7 @@ import yaml
 
 from launcher.launch.run_lock import lock_holder
 from launcher.launch.run_log import failure_line
-from launcher.launch.slurm import recorded_job, slurm_states
+from launcher.launch.slurm_jobs import recorded_job, slurm_states
 from launcher.preempt import PREEMPTED_FILE
 from launcher.rundir import ERROR_FILE, LAUNCH_FILE, SUMMARY_FILE, best_record, complete_steps, is_run_dir
 
@@ -75,8 +75,12 @@ def _dry_run(run_dir: Path) -> bool:
 
 
 def main(argv: list[str]) -> int:
-    if len(argv) != 1 or not Path(argv[0]).is_dir():
+    if len(argv) != 1:
         print("usage: python -m launcher.launch.status <run dir or sweep dir>", file=sys.stderr)
+        return 2
+    if not Path(argv[0]).is_dir():
+        print(f"error: {argv[0]} is not a directory; name a run dir or a sweep dir (the launcher prints it)",
+              file=sys.stderr)
         return 2
     jobs = {run_dir: recorded_job(run_dir) for run_dir in run_dirs(Path(argv[0]))}
     slurm = slurm_states([job for job in jobs.values() if job])  # one query for a whole sweep
