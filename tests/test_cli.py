@@ -104,8 +104,12 @@ def test_indivisible_batch_fails_in_the_parent_with_one_line(tmp_path: Path) -> 
 def test_typo_fails_at_compose_time_naming_the_key(tmp_path: Path) -> None:
     out = run_cli("+exp=toy", "train.micro_batchsize=4", cwd=tmp_path)
     assert out.returncode != 0 and "micro_batchsize" in out.stderr
-    out = run_cli("+exp=toy", "train.max_steps=abc", cwd=tmp_path)
-    assert out.returncode != 0 and "train.max_steps" in out.stderr
+    out = run_cli("+exp=toy", "train.max_steps=abc", cwd=tmp_path)  # what the key takes, in its unit, and its value
+    assert (out.returncode, out.stderr.strip()) == (2, "error: train.max_steps=abc is not a whole number: "
+                                                       "train.max_steps takes a whole number, e.g. train.max_steps=200")
+    out = run_cli("+exp=toy", "launcher=slurm", "launcher.timeout_min=1:00:00", cwd=tmp_path)
+    assert out.stderr.strip() == ("error: launcher.timeout_min=1:00:00 is not a whole number: launcher.timeout_min "
+                                  "takes a whole number of minutes, e.g. launcher.timeout_min=60")
     assert not (tmp_path / "runs").exists()
     # in a sweep, Hydra makes the sweep dir and its multirun.yaml before the first point's override fails: removed
     out = run_cli("-m", "+exp=toy", "train.lr=1e-3,1e-2", cwd=tmp_path)

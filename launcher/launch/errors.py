@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from omegaconf import DictConfig
 
 _held: dict[str, object] = {}  # the real stderr while Hydra's output is held back
+UNITS = {"_min": "minutes", "_s": "seconds", "_mb": "MB", "_gb": "GB"}  # what a key's name says of its unit
 
 
 def _schema_fields(type_name: str) -> list[str]:
@@ -59,7 +60,7 @@ def condense(text: str) -> str:
         message += ": " + ", ".join(options)
     if "mkdir" in text and "Error" in message:  # Hydra creates the run dir before our code runs
         message = f"hydra.run.dir (or hydra.sweep.dir) cannot be created: {message}"
-    message = _argparse_hint(_group_hint(message))
+    message = _argparse_hint(_group_hint(_type_hint(message)))
     unknown = re.search(r"Key '([^']+)' not in '(\w+)'", message)
     if unknown and object_type:
         valid = _schema_fields(object_type)
@@ -111,6 +112,24 @@ def _composed_without(full_key: str) -> DictConfig | None:
             return compose(config_name="config", overrides=overrides)
     except Exception:  # say no more than Hydra did
         return None
+
+
+def _type_hint(message: str) -> str:
+    """A value of the wrong type (launcher.timeout_min=1:00:00 said only that '1:00:00' is no Integer): what the key
+    takes, in which unit where its name says, and its value in this config."""
+    bad = re.search(r"Error merging override \+?([\w.]+)=(.*?); Value '.*' of type '\w+' could not be converted to "
+                    r"(Integer|Float|Boolean)", message)
+    if not bad:
+        return message
+    from omegaconf import OmegaConf
+
+    key, value, kind = bad.groups()
+    takes = {"Integer": "a whole number", "Float": "a number", "Boolean": "true or false"}[kind]
+    unit = next((f" of {word}" for end, word in UNITS.items() if key.endswith(end) and kind != "Boolean"), "")
+    cfg = _composed_without(key)
+    now = OmegaConf.select(cfg, key) if cfg is not None else None
+    example = f", e.g. {key}={str(now).lower() if isinstance(now, bool) else now}" if now is not None else ""
+    return f"{key}={value} is not {takes}: {key} takes {takes}{unit}{example}"
 
 
 def _argparse_hint(message: str) -> str:
