@@ -238,7 +238,7 @@ def sacct_times(job_id: str) -> tuple[str, str]:
 def test_launcher_after_starts_a_job_once_the_named_run_completed(cluster, tmp_path: Path) -> None:
     """Issue 15 (Slurm part): job B with launcher.after=<run dir of A> stays pending with reason Dependency
     while A runs, and starts only once A has completed (sacct's times)."""
-    out = run_cli(*TOY, "launcher=slurm", "data.sleep_s=0.2", cwd=tmp_path)  # in runs/toy/<time>/
+    out = run_cli(*TOY, "launcher=slurm", "data.sleep_s=0.4", cwd=tmp_path)  # in runs/toy/<time>/, 30 s of steps
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     ((job_a, run_a),) = submitted(out.stdout).items()
     out = run_cli(*TOY, "launcher=slurm", f"launcher.after={run_a}", f"hydra.run.dir={tmp_path / 'b'}", cwd=tmp_path)
@@ -253,7 +253,7 @@ def test_launcher_after_starts_a_job_once_the_named_run_completed(cluster, tmp_p
     assert f"run dir {tmp_path / 'b'}: its job {job_b} is PENDING; nothing to start" in again.stdout
     # A's command again while A trains: it continues A's run dir (A's job holds its lock), and says so as B's does
     wait_for_step(run_a, 1)
-    again = run_cli(*TOY, "launcher=slurm", "data.sleep_s=0.2", cwd=tmp_path)
+    again = run_cli(*TOY, "launcher=slurm", "data.sleep_s=0.4", cwd=tmp_path)
     assert again.returncode == 0 and f"run dir {run_a}: its job {job_a} is RUNNING; nothing to start" in again.stdout
     assert final_state(job_a, timeout_s=300) == "COMPLETED"
     assert final_state(job_b, timeout_s=300) == "COMPLETED"

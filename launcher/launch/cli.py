@@ -122,12 +122,12 @@ def main(cfg: DictConfig) -> None:
         run_dir = continued
     # The nodes of a multi-node local run each run this command in one run dir, by design
     nodes = cfg.launcher.name == "local" and str(cfg.launcher.get("nnodes", 1)) != "1"
+    active = None if nodes else active_job(run_dir)  # before the lock: a queued job that starts meanwhile takes it
+    if active:
+        print(job_goes_on(run_dir, active), flush=True)
+        return
     with nullcontext() if nodes else launch_lock(run_dir) as holder:
         if holder:  # its checkpoints change as we look: check nothing, write nothing
-            active = active_job(run_dir)  # the holder is the run dir's Slurm job: said as when it was queued
-            if active:
-                print(job_goes_on(run_dir, active), flush=True)
-                return
             if HydraConfig.get().mode == RunMode.MULTIRUN:  # two runs of one sweep's command share its points
                 print(f"run dir {run_dir}: a launch ({holder}) runs this point; going on with the next", flush=True)
                 return
@@ -166,12 +166,11 @@ def launch(cfg: DictConfig, run_dir: Path) -> None:
         release_early_signals()
     try:
         plan, config, resume_step = checked_config(cfg, run_dir)
-        # A finished run, or one whose Slurm job goes on, starts nothing: the command of a sweep whose points ended
-        # apart (some failed, some were cancelled) runs again as a whole and queues only what is left
+        # A finished run starts nothing (nor one whose Slurm job goes on: main): the command of a sweep whose points
+        # ended apart (some failed, some were cancelled) runs again as a whole and queues only what is left
         done = finished(run_dir, config, resume_step)
-        active = None if done else active_job(run_dir)
-        if done or active:
-            print(done or job_goes_on(run_dir, active), flush=True)
+        if done:
+            print(done, flush=True)
             return
         check_inputs(config, run_dir)  # (inputs of a finished run may be gone meanwhile)
         point = hydra_point(run_dir)

@@ -49,8 +49,13 @@ def kept_in(run_dir: Path) -> Iterator[None]:
 
 
 def record_failure(run_dir: Path, line: str, details: str = "") -> None:
-    """error.txt: the line the launcher printed for this start's failure, then what explains it."""
-    (run_dir / ERROR_FILE).write_text(line.rstrip() + "\n" + (f"\n{details.rstrip()}\n" if details.strip() else ""))
+    """error.txt: the line the launcher printed for this start's failure, then what explains it. The first one of a
+    start stays: on several nodes the others' ranks mostly fail because of it (a collective cut short)."""
+    try:
+        with open(run_dir / ERROR_FILE, "x") as record:
+            record.write(line.rstrip() + "\n" + (f"\n{details.rstrip()}\n" if details.strip() else ""))
+    except FileExistsError:
+        pass
 
 
 def forget_failure(run_dir: Path) -> None:

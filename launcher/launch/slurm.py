@@ -51,12 +51,14 @@ class NodeTask(submitit.helpers.Checkpointable):
             env.paths.result_pickle.unlink(missing_ok=True)
         # The job holds its run dir's lock as a local launch does (the first node, for all): a launch that got past
         # slurm.json (its sacct and squeue had no answer) starts nothing while the job runs, nor the job while it does
-        # launcher.log keeps each node's lines as a local launch's does: a failed start's error line too
-        with kept_in(run_dir), launch_lock(run_dir) if env.global_rank == 0 else nullcontext() as holder:
+        # launcher.log keeps the first node's lines as a local launch's: a failed start's error line too (one node:
+        # appends of several hosts to one file on shared storage may cut into each other)
+        first = env.global_rank == 0
+        with kept_in(run_dir) if first else nullcontext(), launch_lock(run_dir) if first else nullcontext() as holder:
             if holder:
                 raise RuntimeError(f"run dir {run_dir}: a launch ({holder}) runs there; job {env.job_id} starts nothing "
                                    f"(stop that launch, then resubmit with hydra.run.dir={run_dir})")
-            if env.global_rank == 0:
+            if first:
                 (run_dir / PREEMPTED_FILE).unlink(missing_ok=True)  # from the attempt before a requeue
                 record_slurm_job(run_dir)  # job id, node list, requeue count: for a bug report
             # The first node's address, not its name: names need not resolve (emulated nodes, some clusters).

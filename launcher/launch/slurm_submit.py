@@ -13,6 +13,7 @@ import shutil
 import signal
 import sys
 import tempfile
+import time
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -30,7 +31,7 @@ from launcher.launch.slurm import NodeTask
 from launcher.launch.slurm_jobs import ACTIVE, JOB_FILE, ended_state, recorded_job, slurm_state
 from launcher.launch.tracker_start import mark_failed
 from launcher.preempt import signal_named
-from launcher.rundir import SUMMARY_FILE
+from launcher.rundir import ERROR_FILE, SUMMARY_FILE
 
 
 @dataclass
@@ -154,6 +155,7 @@ def submit_queued() -> int:
             QUEUE.clear()  # checked, resolved and written, as a local dry run leaves it
             print_plan(runs, params, folder)
             return 0
+        submitted_at = time.time()  # (an error.txt older than this is an earlier start's)
         executor = submitit.SlurmExecutor(folder=folder)
         executor.update_parameters(**params)
         with sbatch_stderr() as said, executor.batch():  # several submissions in a batch become one job array
@@ -180,7 +182,7 @@ def submit_queued() -> int:
         (run.run_dir / JOB_FILE).write_text(json.dumps({"job_id": job.job_id, "log_dir": str(folder)}) + "\n")
         print(f"submitted job {job.job_id}: run dir {run.run_dir}", flush=True)
     print(f"status: python -m launcher.launch.status {common}", flush=True)
-    return wait_for(jobs, runs) if launcher["wait"] else 0
+    return wait_for(jobs, runs, submitted_at) if launcher["wait"] else 0
 
 
 @contextmanager
@@ -215,8 +217,9 @@ def discard_queued() -> None:
             shutil.rmtree(sweep_dir, ignore_errors=True)
 
 
-def wait_for(jobs: list[submitit.Job], runs: list[Submission]) -> int:
-    """launcher.wait=true: until every job has ended; 1 when one did not complete. Ctrl-C stops the wait only."""
+def wait_for(jobs: list[submitit.Job], runs: list[Submission], submitted_at: float) -> int:
+    """launcher.wait=true: until every job has ended; 1 when one did not complete, said with the error line its start
+    recorded (error.txt, where one of its nodes wrote one). Ctrl-C stops the wait only."""
     failed = 0
     try:
         for job, run in zip(jobs, runs):
@@ -224,7 +227,8 @@ def wait_for(jobs: list[submitit.Job], runs: list[Submission]) -> int:
                 job.results()
             except Exception:  # a raising task ends FAILED in Slurm (CANCELLED: a scancel), and fails the wait here
                 failed += 1
-                why = failure_line(run.run_dir)  # the start's own line (error.txt), where a node wrote one
+                error = run.run_dir / ERROR_FILE  # (a job cancelled while pending wrote none: not an earlier start's)
+                why = failure_line(run.run_dir) if error.is_file() and error.stat().st_mtime >= submitted_at else None
                 why = why.removeprefix("error: ").replace(f" (run dir {run.run_dir})", "") if why else "see its log"
                 print(f"error: job {job.job_id} ended {ended_state(job.job_id)}: {why}; run dir {run.run_dir}, log "
                       f"{job.paths.stdout}; relaunch with hydra.run.dir={run.run_dir} to resume", file=sys.stderr)
