@@ -117,19 +117,18 @@ def _composed_without(full_key: str) -> DictConfig | None:
 def _type_hint(message: str) -> str:
     """A value of the wrong type (launcher.timeout_min=1:00:00 said only that '1:00:00' is no Integer): what the key
     takes, in which unit where its name says, and its value in this config."""
-    bad = re.search(r"Error merging override \+?([\w.]+)=(.*?); Value '.*' of type '\w+' could not be converted to "
-                    r"(Integer|Float|Boolean)", message)
+    bad = re.search(r"Error merging override \+{0,2}([\w.]+)=([^\[].*?); Value '.*' of type '\w+' could not be "
+                    r"converted to (Integer|Float)", message)  # (a list's item: Hydra's words, which name it)
     if not bad:
         return message
     from omegaconf import OmegaConf
 
     key, value, kind = bad.groups()
-    takes = {"Integer": "a whole number", "Float": "a number", "Boolean": "true or false"}[kind]
-    unit = next((f" of {word}" for end, word in UNITS.items() if key.endswith(end) and kind != "Boolean"), "")
+    takes = {"Integer": "a whole number", "Float": "a number"}[kind]
+    unit = next((f" of {word}" for end, word in UNITS.items() if key.endswith(end)), "")
     cfg = _composed_without(key)
     now = OmegaConf.select(cfg, key) if cfg is not None else None
-    example = f", e.g. {key}={str(now).lower() if isinstance(now, bool) else now}" if now is not None else ""
-    return f"{key}={value} is not {takes}: {key} takes {takes}{unit}{example}"
+    return f"{key}={value} is not {takes}: {key} takes {takes}{unit}" + (f", e.g. {key}={now}" if now is not None else "")
 
 
 def _argparse_hint(message: str) -> str:

@@ -36,6 +36,7 @@ def discard_new_sweep_dir() -> None:
     for sweep_dir, made in MADE:
         if sweep_dir.is_dir() and {p.name for p in sweep_dir.iterdir()} <= NOT_RUNS:
             shutil.rmtree(sweep_dir, ignore_errors=True)
+        if not sweep_dir.exists():  # (a refused Slurm array's: slurm_submit.discard_queued removed it already)
             for parent in sweep_dir.parents:
                 if parent == made.parent:
                     break

@@ -70,8 +70,8 @@ def build(cfg: DictConfig, run_dir: Path, env: launcher_dist.DistEnv) -> Run:
     task = build_part("data", cfg.data, **sources["data"])
     check_task(task, cfg.data._target_)
     model = build_part("model", cfg.model, **sources["model"])
-    if cfg.strategy.name != "fsdp":  # fsdp: fully_shard moves each block's shard to the device as it cuts it, so a
-        model.to(env.device)  # model that fits only sharded is never whole on one GPU
+    if cfg.strategy.name != "fsdp":  # fsdp: fully_shard moves each block (then the root's own weights) to the device
+        model.to(env.device)  # and cuts it there: one block at a time is whole on a GPU, never the whole model
     model.train()  # dropout on from step 1: HF's from_pretrained returns a model in eval mode
     precision = Precision(node_precision(cfg.precision.name, env), env.device.type, train_cfg.tf32)
     precision.apply_tf32()  # before compile, which reads it
