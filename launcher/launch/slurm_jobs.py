@@ -40,13 +40,16 @@ def slurm_state(job_id: str) -> str:
     return slurm_states([job_id])[job_id]
 
 
-def ended_state(job_id: str, timeout_s: float = 30) -> str:
-    """The state Slurm gives a job whose task has ended: submitit sees the task's result (or its error) before the
-    task's process, the epilog and accounting end, so sacct says RUNNING for a few seconds more."""
+def ended_states(job_ids: list[str], timeout_s: float = 30) -> dict[str, str]:
+    """The states Slurm gives jobs whose tasks have ended: submitit sees a task's result (or its error) before the
+    task's process, the epilog and accounting end, so sacct says RUNNING for a few seconds more. One query of all
+    the jobs a second, for at most timeout_s."""
     deadline = time.monotonic() + timeout_s
-    while (state := slurm_state(job_id)) in ACTIVE and time.monotonic() < deadline:
+    states = slurm_states(job_ids)
+    while ACTIVE & set(states.values()) and time.monotonic() < deadline:
         time.sleep(1)
-    return state
+        states = slurm_states(job_ids)
+    return states
 
 
 def recorded_job(run_dir: Path) -> str | None:

@@ -28,7 +28,7 @@ from launcher.launch.local import c10d_rendezvous, torchrun_args
 from launcher.launch.plan import Plan
 from launcher.launch.run_log import failure_line
 from launcher.launch.slurm import NodeTask
-from launcher.launch.slurm_jobs import ACTIVE, JOB_FILE, ended_state, recorded_job, slurm_state
+from launcher.launch.slurm_jobs import ACTIVE, JOB_FILE, ended_states, recorded_job, slurm_state
 from launcher.launch.tracker_start import mark_failed
 from launcher.preempt import signal_named
 from launcher.rundir import ERROR_FILE, SUMMARY_FILE
@@ -230,8 +230,10 @@ def wait_for(jobs: list[submitit.Job], runs: list[Submission], submitted_at: flo
                 error = run.run_dir / ERROR_FILE  # (a job cancelled while pending wrote none: not an earlier start's)
                 why = failure_line(run.run_dir) if error.is_file() and error.stat().st_mtime >= submitted_at else None
                 why = why.removeprefix("error: ").replace(f" (run dir {run.run_dir})", "") if why else "see its log"
-                print(f"error: job {job.job_id} ended {ended_state(job.job_id)}: {why}; run dir {run.run_dir}, log "
-                      f"{job.paths.stdout}; relaunch with hydra.run.dir={run.run_dir} to resume", file=sys.stderr)
+                print(f"error: job {job.job_id} ended {ended_states([job.job_id])[job.job_id]}: {why}; run dir "
+                      f"{run.run_dir}, log {job.paths.stdout}; relaunch with hydra.run.dir={run.run_dir} to resume",
+                      file=sys.stderr)
+        ended_states([job.job_id for job in jobs])  # the wait ends once Slurm says so: a status then agrees
     except KeyboardInterrupt:
         ids = " ".join(job.job_id for job in jobs)
         print(f"stopped waiting; the job(s) go on: python -m launcher.launch.status {runs[0].sweep_dir or runs[0].run_dir}"
