@@ -29,6 +29,7 @@ from launcher.launch.plan import Plan
 from launcher.launch.run_log import failure_line
 from launcher.launch.slurm import NodeTask
 from launcher.launch.slurm_jobs import ACTIVE, JOB_FILE, ended_states, recorded_job, slurm_state
+from launcher.launch.sweep_dir import NOT_RUNS
 from launcher.launch.tracker_start import mark_failed
 from launcher.preempt import signal_named
 from launcher.rundir import ERROR_FILE, SUMMARY_FILE
@@ -213,7 +214,7 @@ def discard_queued() -> None:
     sweeps = {run.sweep_dir for run in QUEUE if run.sweep_dir and run.sweep_dir.is_dir()}
     QUEUE.clear()
     for sweep_dir in sweeps:  # Hydra's multirun.yaml, and what submitit wrote of the refused array
-        if {p.name for p in sweep_dir.iterdir()} <= {"multirun.yaml", "slurm"}:
+        if {p.name for p in sweep_dir.iterdir()} <= NOT_RUNS:
             shutil.rmtree(sweep_dir, ignore_errors=True)
 
 
