@@ -66,10 +66,10 @@ def write_run_config(run_dir: Path, *overrides: str) -> Path:
     return write_config(run_dir, resolve(cfg, make_plan(cfg)))
 
 
-def run_cli(*overrides: str, cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess:
-    """`python -m launcher <overrides>` in a real subprocess."""
-    return subprocess.run([sys.executable, "-m", "launcher", *on_the_cpu_plan(overrides)], cwd=cwd, env=subprocess_env(),
-                          capture_output=True, text=True, timeout=timeout)
+def run_cli(*overrides: str, cwd: Path, timeout: float = 300, **env: str) -> subprocess.CompletedProcess:
+    """`python -m launcher <overrides>` in a real subprocess (with `env` added to its environment)."""
+    return subprocess.run([sys.executable, "-m", "launcher", *on_the_cpu_plan(overrides)], cwd=cwd,
+                          env=subprocess_env(**env), capture_output=True, text=True, timeout=timeout)
 
 
 def run_torchrun(nproc: int, script: Path, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -167,6 +168,9 @@ def test_a_slurm_sweep_over_the_micro_batch_is_one_job_array(tmp_path: Path) -> 
                   f"hydra.sweep.dir={tmp_path / 'sweep'}", cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "dry run: would submit a job array of 3" in out.stdout, out.stdout[-2000:]
+    # Hydra's own first line ("Launching 3 jobs locally") says what the launch does
+    assert "] Checking 3 sweep points, then showing what would be submitted (dry run) as one Slurm job array\n" in \
+        out.stdout and "locally" not in out.stdout, out.stdout[-2000:]
     assert [OmegaConf.load(tmp_path / "sweep" / str(i) / "config.yaml").plan.grad_accum_steps
             for i in range(3)] == [4, 2, None]
 
@@ -208,8 +212,13 @@ def test_slurm_dependency_and_after_reach_sbatch(tmp_path: Path) -> None:
     first = tmp_path / "first"
     first.mkdir()
     (first / "slurm.json").write_text(json.dumps({"job_id": "4242_1", "log_dir": str(first / "slurm")}))
+    no_accounting = tmp_path / "bin"  # a cluster without sacct: job 17 is left to Slurm (test_slurm_hints.py asks)
+    no_accounting.mkdir()
+    (no_accounting / "sacct").write_text("#!/bin/sh\nexit 1\n")
+    (no_accounting / "sacct").chmod(0o755)
     out = run_cli("+exp=toy", "launcher=slurm", "launcher.dry_run=true", f"launcher.after={first}",
-                  "launcher.dependency=afterany:17", f"hydra.run.dir={tmp_path / 'second'}", cwd=tmp_path)
+                  "launcher.dependency=afterany:17", f"hydra.run.dir={tmp_path / 'second'}", cwd=tmp_path,
+                  PATH=f"{no_accounting}:{os.environ['PATH']}")
     assert out.returncode == 0, out.stderr[-3000:]
     params = json.loads(out.stdout.split("executor parameters: ", 1)[1].splitlines()[0])
     assert params["additional_parameters"] == {"dependency": "afterany:17,afterok:4242_1", "kill_on_invalid_dep": "yes",

@@ -105,6 +105,7 @@ def test_sweep_is_one_job_array_and_a_raising_point_fails(cluster, tmp_path: Pat
     jobs = submitted(out.stdout)
     assert len(jobs) == 4 and len(set(jobs.values())) == 4
     assert len({job.split("_")[0] for job in jobs}) == 1  # one array
+    assert "] Checking 4 sweep points, then submitting them as one Slurm job array\n" in out.stdout, out.stdout[-2000:]
     # status while the array runs: each point's own state, from one sacct call (+ one squeue call for the
     # tasks still pending, which sacct has no row for) for the whole sweep, through shims that count them
     shims, calls = tmp_path / "bin", tmp_path / "slurm-calls"

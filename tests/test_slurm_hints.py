@@ -1,16 +1,19 @@
 """What launcher=slurm says beside a job's own result, against the real cluster of slurm/cluster.sh (the cluster
 fixture, tests/conftest.py): a controller that does not answer is named as such, what sbatch refuses is one line,
-and `python -m launcher.launch.status <sweep dir>` shows the values each point ran with."""
+so is a dependency Slurm would not wait for, and `python -m launcher.launch.status <sweep dir>` shows the values
+each point ran with."""
 from __future__ import annotations
 
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
 from conftest import on_the_cpu_plan, run_cli, subprocess_env
 from helpers import store
+from launcher.launch.slurm_jobs import slurm_state
 
 pytestmark = pytest.mark.slow
 TOY = ("+exp=toy", "train.max_steps=4", "train.log_every=1", "train.eval_every=0", "train.global_batch_size=16",
@@ -66,3 +69,24 @@ def test_what_sbatch_refuses_is_one_line_and_leaves_nothing(cluster, tmp_path: P
     (run,) = store(tmp_path).search_runs([store(tmp_path).get_experiment_by_name("toy").experiment_id])
     assert run.info.status == "FAILED"
 
+
+
+def test_a_dependency_slurm_would_not_wait_for_is_refused_in_one_line(cluster, tmp_path: Path) -> None:
+    """sbatch took launcher.dependency=afterok:<a job no one knows> and ran the job at once; afterok on a job that
+    failed is never met (Slurm cancels the job, or once it forgot that job, runs it at once)."""
+    failed = subprocess.run(["sbatch", "--parsable", "--wrap", "exit 3", "-o", "/dev/null"], capture_output=True,
+                            text=True, check=True).stdout.strip()
+    deadline = time.monotonic() + 120
+    while slurm_state(failed) != "FAILED" and time.monotonic() < deadline:
+        time.sleep(1)
+    for dependency, why in ((f"afterok:{failed}", f"job {failed} ended FAILED, so afterok can never be met"),
+                            ("afterany:99999999", "Slurm knows no job 99999999 (sacct, scontrol show job)")):
+        out = run_cli(*TOY, "launcher=slurm", f"launcher.dependency={dependency}", f"hydra.run.dir={tmp_path / 'run'}",
+                      cwd=tmp_path)
+        assert out.returncode == 2 and out.stderr.strip().splitlines() == [
+            f"error: launcher.dependency={dependency}: {why}; name a job that squeue or sacct lists (or drop "
+            f"launcher.dependency)"], out.stderr
+        assert not (tmp_path / "run").exists()
+    out = run_cli(*TOY, "launcher=slurm", "launcher.dry_run=true", f"launcher.dependency=afterany:{failed}",
+                  f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)  # met once that job ended, however it ended
+    assert out.returncode == 0 and f'"dependency": "afterany:{failed}"' in out.stdout, out.stderr[-2000:]

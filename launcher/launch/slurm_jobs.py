@@ -71,3 +71,37 @@ def job_goes_on(run_dir: Path, active: str) -> str:
     """What a launch into a run dir whose Slurm job has not ended says (active_job's words), and starts nothing."""
     return (f"run dir {run_dir}: its {active}; nothing to start (it resumes there by itself; scancel it first to start "
             f"this command instead)")
+
+
+def dependency_problem(job_ids: list[str], kind: str) -> str | None:
+    """Why a dependency on these jobs would not wait as asked, or None: a job Slurm knows nothing of (sbatch takes it,
+    and the job runs at once), or, for afterok, one that ended otherwise than COMPLETED (never met: Slurm cancels the
+    job, or, once it forgot the other, runs it at once). Told only where Slurm answered: without accounting (no
+    sacct) or a controller, it is left to Slurm."""
+    try:
+        out = subprocess.run(["sacct", "-n", "-X", "-P", "-o", "JobID,State", "-j", ",".join(job_ids)],
+                             capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if out.returncode != 0:
+        return None
+    rows = [(row, state.split()[0]) for row, _, state in (line.partition("|") for line in out.stdout.splitlines())
+            if state.strip()]
+    for job in job_ids:
+        # an array's id names its tasks (7_0, 7_1; 7_[2-5%2] while some wait), a task's id its row or that one
+        mine = [state for row, state in rows if row == job or row.startswith(f"{job}_")
+                or ("_" in job and row.startswith(job.split("_")[0] + "_["))]
+        if not mine and _unknown_to_the_controller(job):  # (a job submitted a moment ago: not in accounting yet)
+            return f"Slurm knows no job {job} (sacct, scontrol show job)"
+        ended = sorted({state for state in mine if state not in ACTIVE | {"COMPLETED"}})
+        if kind == "afterok" and ended:
+            return f"job {job} ended {'/'.join(ended)}, so afterok can never be met"
+    return None
+
+
+def _unknown_to_the_controller(job_id: str) -> bool:
+    try:
+        out = subprocess.run(["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return out.returncode != 0 and "Invalid job id" in out.stderr

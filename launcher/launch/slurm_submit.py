@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 import os
 import re
 import shutil
@@ -20,6 +21,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import submitit
+from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 from submitit.core.utils import FailedJobError
 
@@ -28,7 +30,8 @@ from launcher.launch.local import c10d_rendezvous, torchrun_args
 from launcher.launch.plan import Plan
 from launcher.launch.run_log import failure_line
 from launcher.launch.slurm import NodeTask
-from launcher.launch.slurm_jobs import ACTIVE, JOB_FILE, ended_states, recorded_job, slurm_state
+from launcher.launch.slurm_jobs import (ACTIVE, JOB_FILE, dependency_problem, ended_states, recorded_job,
+                                        slurm_state)
 from launcher.launch.sweep_dir import NOT_RUNS
 from launcher.launch.tracker_start import mark_failed
 from launcher.preempt import signal_named
@@ -70,6 +73,10 @@ def dependency(launcher: dict[str, Any]) -> str | None:
         if not DEPENDENCY.match(launcher["dependency"]):
             raise ConfigError(f"launcher.dependency={launcher['dependency']} is not an sbatch dependency; e.g. "
                               f"afterok:1234, afterany:1234:1235 or singleton")
+        problem = dependency_refusal(launcher["dependency"])
+        if problem:
+            raise ConfigError(f"launcher.dependency={launcher['dependency']}: {problem}; name a job that squeue or "
+                              f"sacct lists (or drop launcher.dependency)")
         parts.append(launcher["dependency"])
     if launcher["after"]:
         after = Path(launcher["after"])
@@ -86,6 +93,17 @@ def dependency(launcher: dict[str, Any]) -> str | None:
         if state in ACTIVE or state == "UNKNOWN":  # UNKNOWN: neither sacct nor squeue answered; Slurm judges the id
             parts.append(f"afterok:{job_id}")
     return ",".join(parts) or None
+
+
+@functools.lru_cache
+def dependency_refusal(dependency: str) -> str | None:
+    """Why Slurm would not wait as launcher.dependency asks, or None; asked once per launch, as after_state."""
+    for clause in re.split(r"[,?]", dependency):
+        kind, *ids = clause.split(":")
+        problem = dependency_problem([job.split("+")[0] for job in ids], kind) if ids else None  # (after:<id>+<min>)
+        if problem:
+            return problem
+    return None
 
 
 @functools.lru_cache
@@ -138,6 +156,25 @@ def _same_submission(runs: list[Submission]) -> None:
         if replace(run.plan, grad_accum_steps=None) != replace(first.plan, grad_accum_steps=None):
             raise ConfigError("the sweep points need different world sizes or node counts; one job array "
                               "needs one shape (sweep launcher.nodes/gpus_per_node in separate launches)")
+
+
+class ArrayWords(Callback, logging.Filter):
+    """A launcher=slurm sweep's first line says what happens: Hydra's basic launcher, which runs the points one by one
+    here (each queues its run), would say "Launching N jobs locally" of what becomes one Slurm job array."""
+
+    LOGGER = "hydra._internal.core_plugins.basic_launcher"
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        if config.launcher.name == "slurm":
+            self.then = "showing what would be submitted (dry run)" if config.launcher.dry_run else "submitting them"
+            logging.getLogger(self.LOGGER).addFilter(self)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        said = record.getMessage()
+        if said.startswith("Launching ") and said.endswith(" jobs locally"):
+            points = said.removeprefix("Launching ").removesuffix(" jobs locally")
+            record.msg, record.args = f"Checking {points} sweep points, then {self.then} as one Slurm job array", ()
+        return True
 
 
 def submit_queued() -> int:
