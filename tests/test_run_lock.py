@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, run_cli, subprocess_env
-from helpers import finish, logged_step, start, wait_until, worker_pid
+from conftest import REPO, on_the_cpu_plan, run_cli, subprocess_env
+from helpers import COMMON, finish, logged_step, start, wait_until, worker_pid
 from launcher.launch.run_lock import launch_lock, lock_holder
 from launcher.preempt import REQUEUE_EXIT_CODE
 
@@ -80,26 +80,36 @@ def test_a_slurm_submission_into_a_run_dir_in_use_submits_nothing(tmp_path: Path
 @pytest.mark.slow
 def test_a_second_launch_into_a_running_run_dir_starts_nothing(tmp_path: Path) -> None:
     """The first launch trains on; the second, the same command in another terminal, would have resumed from the
-    same checkpoint and trained beside it. It prints who runs there and leaves every file of the run as it was."""
-    run_dir = tmp_path / "run"
-    first = start(run_dir, "data.sleep_s=0.05", "train.max_steps=100000")
+    same checkpoint and trained beside it. It prints who runs there and leaves every file of the run as it was; so
+    does the same command without hydra.run.dir, which goes on in its command's last run (it used to train a second
+    copy of the run from step 0 in a new dir)."""
+    overrides = on_the_cpu_plan([*COMMON, "data.sleep_s=0.05", "train.max_steps=100000"])
+    first, runs = launch_in(tmp_path, overrides), tmp_path / "runs" / "toy"  # its run dir: runs/toy/<time>
     try:
-        wait_until(lambda: logged_step(run_dir) >= 2)
+        wait_until(lambda: runs.is_dir() and any(logged_step(run) >= 2 for run in runs.iterdir()))
+        (run_dir,) = runs.iterdir()
         files = {name: (run_dir / name).read_text() for name in ("config.yaml", "launch.json")}
-        second = start(run_dir, "data.sleep_s=0.05", "train.max_steps=100000")
-        try:  # (without the lock it trains beside the first: killed here, the test fails in 2 minutes)
-            out, err = second.communicate(timeout=120)
-        finally:
-            second.kill()
-        assert second.returncode == 1, out + err  # a script that launched it learns that nothing started
-        assert f"error: run dir {run_dir}: a launch (pid {first.pid} on " in err and "nothing started" in err
-        assert "worker(s)" not in out + err  # (the line of a launch that starts its workers)
-        assert files == {name: (run_dir / name).read_text() for name in files}
+        for again in (launch_in(tmp_path, [*overrides, f"hydra.run.dir={run_dir}"]), launch_in(tmp_path, overrides)):
+            try:  # (without the lock it trains beside the first: killed here, the test fails in 2 minutes)
+                out, err = again.communicate(timeout=120)
+            finally:
+                again.kill()
+            assert again.returncode == 1, out + err  # a script that launched it learns that nothing started
+            assert f"error: run dir {run_dir}: a launch (pid {first.pid} on " in err and "nothing started" in err
+            assert "worker(s)" not in out + err  # (the line of a launch that starts its workers)
+            assert files == {name: (run_dir / name).read_text() for name in files}
+        assert "(the last run of this same command: wait for it to end, or give hydra.run.dir=<a new dir>" in err
+        assert list(runs.iterdir()) == [run_dir]
         assert " RUNNING " in status_row(run_dir)
     finally:
         first.send_signal(signal.SIGUSR2)  # preempted: it checkpoints and exits with the requeue code
     finish(first, REQUEUE_EXIT_CODE)
     assert lock_holder(run_dir) is None and " PREEMPTED " in status_row(run_dir)
+
+
+def launch_in(cwd: Path, overrides: list[str]) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "launcher", *overrides], cwd=cwd, env=subprocess_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 def alive(pid: int) -> bool:

@@ -131,8 +131,11 @@ def main(cfg: DictConfig) -> None:
             if HydraConfig.get().mode == RunMode.MULTIRUN:  # two runs of one sweep's command share its points
                 print(f"run dir {run_dir}: a launch ({holder}) runs this point; going on with the next", flush=True)
                 return
-            print(f"error: run dir {run_dir}: a launch ({holder}) runs there; nothing started (wait for it to end, or "
-                  f"stop it first to start this command instead)", file=sys.stderr, flush=True)
+            what = ("the last run of this same command: wait for it to end, or give hydra.run.dir=<a new dir> to train "
+                    "a new run beside it" if continued else
+                    "wait for it to end, or stop it first to start this command instead")
+            print(f"error: run dir {run_dir}: a launch ({holder}) runs there; nothing started ({what})", file=sys.stderr,
+                  flush=True)
             sys.exit(1)  # a script that launched it sees the refusal
         with kept_in(run_dir):  # launcher.log: what this launch prints, in the run dir
             if continued:

@@ -2,9 +2,10 @@
 when that run is unfinished, instead of starting over in a new timestamped dir.
 
 The last run of the same experiment (a sibling under runs/<name>/) continues when it was launched with exactly
-these overrides, trained the same trajectory config, holds no end (summary.json) and no local launch runs there
-(its Slurm job may: the launch then says that the job goes on, and starts nothing, as in any run dir). A finished
-run, a changed config, resume=never, a sweep or an explicit hydra.run.dir start a new run dir, as always.
+these overrides, trained the same trajectory config and holds no end (summary.json). Where a launch or a Slurm job
+still runs there, the launch says so and starts nothing, as in any run dir: the same command typed again in another
+terminal does not train a second copy of the run from step 0 beside it. A finished run, a changed config,
+resume=never, a sweep or an explicit hydra.run.dir start a new run dir, as always.
 Exercised by: tests/test_failures_on_record.py.
 """
 from __future__ import annotations
@@ -19,8 +20,6 @@ from omegaconf import DictConfig, OmegaConf
 
 from launcher.derived import differing_keys, trajectory_config
 from launcher.launch.plan import make_plan, resolve
-from launcher.launch.run_lock import lock_holder
-from launcher.launch.slurm_jobs import active_job
 from launcher.redact import redact_override
 from launcher.rundir import LAUNCH_FILE, SUMMARY_FILE
 
@@ -33,8 +32,7 @@ def continued_run_dir(cfg: DictConfig, fresh: Path) -> Path | None:
         return None
     overrides = [redact_override(arg) for arg in hydra.overrides.task]
     last = _last_run_of(fresh, overrides)
-    # a Slurm job of it that runs holds its lock as a local launch does: continued there, the launch says so
-    if last is None or (last / SUMMARY_FILE).is_file() or (lock_holder(last) and not active_job(last)):
+    if last is None or (last / SUMMARY_FILE).is_file():
         return None
     try:
         config = resolve(cfg, make_plan(cfg))
