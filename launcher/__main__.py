@@ -7,9 +7,11 @@ import os
 import sys
 import time
 
+from launcher.closed_output import output_may_close
 from launcher.preempt import keep_early_signals
 
 keep_early_signals()  # first, before the imports of seconds below
+output_may_close()  # (before Hydra's logging keeps sys.stdout): a closed pipe ends no launch
 os.environ["LAUNCHER_LAUNCH_TIME"] = str(time.time())  # the workers' start-up phases count from here (train/phases.py)
 from launcher.launch.cli import flags_first, main  # noqa: E402
 from launcher.launch.errors import hydra_errors_in_one_line  # noqa: E402

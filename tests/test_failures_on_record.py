@@ -89,3 +89,17 @@ def test_status_starts_without_torch_and_names_a_missing_dir(tmp_path: Path) -> 
                          env=subprocess_env(), capture_output=True, text=True)
     assert out.returncode == 2 and out.stderr.strip() == (f"error: {tmp_path / 'nope'} is not a directory; name a run "
                                                           f"dir or a sweep dir (the launcher prints it)")
+
+
+def test_a_run_whose_output_nobody_reads_any_more_trains_to_its_end(tmp_path: Path) -> None:
+    """`python -m launcher ... | head -1`: rank 0's next line raised BrokenPipeError and failed the run. The launcher
+    and its workers now write on into the run dir only, and the run ends as it would have."""
+    run_dir = tmp_path / "run"
+    launch = subprocess.Popen([sys.executable, "-m", "launcher", *on_the_cpu_plan(
+        [*TOY, "train.max_steps=40", "train.log_every=1", f"hydra.run.dir={run_dir}"])], cwd=tmp_path,
+        env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    assert launch.stdout.readline().startswith(f"run dir {run_dir} | 2 worker(s)")
+    launch.stdout.close()  # as head does, before the workers start
+    assert launch.wait(timeout=300) == 0
+    assert (run_dir / "summary.json").is_file() and not (run_dir / "error.txt").exists()
+    assert "step 40/40 | " in (run_dir / "launcher.log").read_text()

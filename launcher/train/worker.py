@@ -20,6 +20,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from launcher.closed_output import output_may_close
 from launcher.compat import DDP_NO_FORWARD_BUFFER_SYNC
 from launcher.derived import (NODE_CONFIG, auto_precision, compiles_each_block, config_hash, differing_keys,
                               grad_accum_steps)
@@ -218,6 +219,7 @@ def restore(run: Run, state: dict[str, Any] | None, seed: int, allow_config_chan
 @record  # the agent reports this worker's traceback in its failure summary
 def main(config_path: str) -> None:
     end_with_the_agent()
+    output_may_close()  # `python -m launcher ... | head` must not end the run at rank 0's next line
     path = Path(config_path).resolve()
     cfg = OmegaConf.load(path)
     stop = StopFlag(preemption_signals(cfg.launcher.signal))  # first: a signal during start-up is kept
