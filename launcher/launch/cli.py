@@ -27,6 +27,7 @@ from launcher.launch.environment import environment_record
 from launcher.launch.errors import release_stderr
 from launcher.launch.known_keys import check_known_keys
 from launcher.launch.local import local_rendezvous, run_local, threads_per_worker, torchrun_args
+from launcher.launch.optimizer_check import check_optimizer
 from launcher.launch.plan import Plan, make_plan, resolve, write_config
 from launcher.launch.resume import check_resume, finished
 from launcher.launch.run_lock import LOCK_FILE, launch_lock
@@ -149,6 +150,7 @@ def checked_config(cfg: DictConfig, run_dir: Path) -> tuple[Plan, dict, int | No
     config the workers read, and the step a resume starts from."""
     check_known_keys(cfg)  # +train.max_step=20 would train 200 steps with a key nothing reads
     plan = make_plan(cfg)
+    check_optimizer(cfg.optimizer)  # optimizer.weight_decay=abc failed every rank, naming no key
     if plan.nnodes > 1 and cfg.launcher.name == "local":
         shared_run_dir(plan.nnodes)
     config = resolve(cfg, plan)

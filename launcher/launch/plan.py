@@ -39,6 +39,8 @@ class Plan:
 def _require_positive(cfg: DictConfig, *keys: str) -> None:
     for key in keys:
         value = OmegaConf.select(cfg, key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):  # (untyped groups)
+            raise ConfigError(f"{key}={value} is not a number")
         if value is not None and value <= 0:
             raise ConfigError(f"{key}={value} must be > 0")
 

@@ -1,0 +1,66 @@
+"""The optimizer takes the values of its keys: checked in the parent, before any process starts.
+
+optimizer.lr=abc crashed the parent with a traceback, and optimizer.weight_decay=abc passed it: every rank then
+failed building the optimizer with `'<=' not supported between 'float' and 'str'`, a screen of tracebacks naming no
+key. torch's optimizers check their values as they are built: here one is built on a one-element parameter (no
+device, microseconds), after each key's value is checked against the type of the optimizer's default for it.
+Exercised by: tests/test_bad_input.py.
+"""
+from __future__ import annotations
+
+import inspect
+import sys
+from numbers import Real
+from typing import Any
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from launcher.derived import ConfigError
+
+HYDRA_KEYS = {"_target_", "_partial_", "_convert_", "_recursive_", "_args_"}
+BY_DEVICE = {"fused", "foreach", "capturable"}  # kernels chosen for the workers' device, not this process's
+
+
+def check_optimizer(optimizer: DictConfig) -> None:
+    """Raise ConfigError naming the optimizer key whose value the optimizer does not take."""
+    target = str(optimizer.get("_target_"))
+    module_name, _, name = target.rpartition(".")
+    build = getattr(sys.modules.get(module_name), name, None)  # torch's (imported): a job's own is the workers'
+    if not isinstance(build, type) or not issubclass(build, torch.optim.Optimizer):
+        return
+    values = {str(k): v for k, v in OmegaConf.to_container(optimizer, resolve=True).items() if k not in HYDRA_KEYS}
+    defaults = {p.name: p.default for p in inspect.signature(build).parameters.values()
+                if p.default is not inspect.Parameter.empty}
+    for key, value in values.items():
+        kind = _kind(defaults.get(key))
+        if kind and not _is(kind, value):
+            raise ConfigError(f"optimizer.{key}={value} is not {kind} ({target} takes {key}={defaults[key]!r} by "
+                              f"default)")
+    try:
+        build([torch.zeros(1, requires_grad=True)], **{k: v for k, v in values.items() if k not in BY_DEVICE})
+    except (ValueError, TypeError, RuntimeError) as error:
+        given = ", ".join(f"optimizer.{k}={v}" for k, v in values.items())
+        raise ConfigError(f"{target} refused {given}: {str(error).strip().splitlines()[0][:200]}") from None
+
+
+def _kind(default: Any) -> str | None:
+    """What a value must be, from the optimizer's default (None: anything it checks itself)."""
+    if isinstance(default, bool):
+        return "true or false"
+    if isinstance(default, Real):
+        return "a number"
+    if isinstance(default, tuple) and default and all(isinstance(v, Real) for v in default):
+        return f"a list of {len(default)} numbers"
+    return None
+
+
+def _is(kind: str, value: Any) -> bool:
+    def number(v: Any) -> bool:
+        return isinstance(v, Real) and not isinstance(v, bool)
+
+    if kind == "true or false":
+        return isinstance(value, bool)
+    if kind == "a number":
+        return number(value)
+    return isinstance(value, (list, tuple)) and len(value) == int(kind.split()[3]) and all(map(number, value))
