@@ -12,7 +12,11 @@ from typing import Any
 
 
 class ConfigError(ValueError):
-    """A user mistake in the config or environment; printed as one line, no traceback."""
+    """A user mistake in the config or environment; printed as one line, no traceback. Raised in a worker (what only
+    the job tells: its eval metrics, its blocks, its data's size), each rank prints none either, and the launcher
+    says the line of the first rank that failed (error.txt keeps its traceback)."""
+
+    one_line = True  # (launcher/train/worker.py's exit, as for the job's own one-line errors: launcher/train/job.py)
 
 
 def grad_accum_steps(global_batch_size: int, micro_batch_size: int, world_size: int) -> int:

@@ -65,5 +65,6 @@ def test_a_best_metric_the_job_does_not_have_fails_before_the_first_step(tmp_pat
     out = run_cli(*COMMON, "train.eval_every=2", "train.best_metric=accuracy", f"hydra.run.dir={tmp_path / 'run'}",
                   cwd=tmp_path)
     assert out.returncode == 1 and not (tmp_path / "run" / "checkpoints").exists()
-    assert re.search(r"^error: rank \d failed: ValueError: train\.best_metric=accuracy is not an eval metric of this "
+    assert re.search(r"^error: rank \d failed: ConfigError: train\.best_metric=accuracy is not an eval metric of this "
                      r"job \(loss\); name one of them, or null", out.stderr.strip().splitlines()[-1]), out.stderr[-2000:]
+    assert len(out.stderr.strip().splitlines()) == 1  # (each rank printed its traceback: 40 lines above this one)

@@ -34,7 +34,8 @@ def test_a_failed_start_leaves_its_error_and_the_next_start_its_own_record(tmp_p
     assert "the train set has 8 samples, fewer than train.global_batch_size=16" in line
     error = (run_dir / "error.txt").read_text()
     assert error.splitlines()[0] == line and "Traceback (most recent call last)" in error
-    assert "raise ValueError(f\"the train set has" in error  # where, in the worker's code
+    assert "raise ConfigError(f\"the train set has" in error  # where, in the worker's code
+    assert "Traceback" not in failed.stderr  # a config mistake: each rank's would say nothing more than the line
     log = (run_dir / "launcher.log").read_text()
     assert f"run dir {run_dir} | 2 worker(s) on cpu" in log and line in log and "\x1b[" not in log
     rows = status(run_dir)

@@ -15,6 +15,7 @@ from typing import Any
 
 from omegaconf import DictConfig
 
+from launcher.derived import ConfigError
 from launcher.rundir import BEST_FILE, write_atomically
 
 
@@ -80,6 +81,6 @@ def best_eval(task: Any, train_cfg: DictConfig) -> Best:
     if metric:
         names = [] if task.eval_set is None else list(task.eval_metrics({k: 1.0 for k in task.eval_sum_keys}))
         if metric not in names:
-            raise ValueError(f"train.best_metric={metric} is not an eval metric of this job "
+            raise ConfigError(f"train.best_metric={metric} is not an eval metric of this job "
                              f"({', '.join(names) or 'it has no eval set'}); name one of them, or null")
     return Best(metric, train_cfg.best_mode)

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, load_model, save_model
 
+from launcher.derived import ConfigError
 from launcher.rundir import (MARKER, PRETRAINED_FILE, PRETRAINED_KEYS, best_record, complete_steps, is_run_dir,
                              pinned_checkpoint, pinned_pretrained, write_atomically)
 from launcher.train import sharded_checkpoint, sharding
@@ -223,7 +224,7 @@ def _resume_point(run_dir: Path, warn: Callable[[str], None]) -> int | None:
         os.replace(root / str(step), aside)
     where = f"{root}/.unusable-<step> (steps {', '.join(map(str, unusable))})"
     if unusable and chosen is None:
-        raise ValueError(f"no checkpoint of this run reads back whole; they are moved aside to {where}: launch "
+        raise ConfigError(f"no checkpoint of this run reads back whole; they are moved aside to {where}: launch "
                          f"again to train from step 0, or put a good copy back")
     if unusable:
         warn(f"warning: moved the unusable checkpoints aside to {where}; delete them once looked at")
@@ -259,13 +260,13 @@ def _choose_pretrained(run_dir: Path, sections: dict[str, Any], resume: bool,
                 if run not in newest_of:
                     newest_of[run] = _best_usable(run, warn) or _newest_usable(run, warn)
                 if newest_of[run] is None:
-                    raise ValueError(f"{name}={value} is a run dir without a usable checkpoint; train it first")
+                    raise ConfigError(f"{name}={value} is a run dir without a usable checkpoint; train it first")
                 source = str(newest_of[run])
                 pinned[name] = {"run": str(run), "checkpoint": source}
             elif not _usable(Path(source), warn):
                 own = _newest_usable(run_dir, warn) if resume else None  # resume=never: its own weights won't load
                 if own is None:
-                    raise ValueError(f"{name}={value}: its checkpoint {source}, which this run started from, is gone")
+                    raise ConfigError(f"{name}={value}: its checkpoint {source}, which this run started from, is gone")
                 source = str(own)
             sources.setdefault(group, {})[key] = source
     if pinned != before:

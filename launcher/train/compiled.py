@@ -16,7 +16,7 @@ from typing import Any, Iterator
 import torch
 from torch._dynamo.exc import TorchDynamoException, Unsupported, UserError
 
-from launcher.derived import CUDA_GRAPH_MODES
+from launcher.derived import CUDA_GRAPH_MODES, ConfigError
 
 CONVERT_FRAME = os.path.join("torch", "_dynamo", "convert_frame.py")  # where dynamo turns a frame into graphs
 TORCH_DIR = os.path.dirname(torch.__file__)
@@ -49,7 +49,7 @@ def compile_blocks(found: list[torch.nn.Module], train: Any, sharded: bool) -> N
     if builtin:
         why, other = (("strategy=fsdp", "use train.compile=false") if sharded else
                       ("train.compile_scope=block", "drop train.compile_scope (the whole model compiles)"))
-        raise ValueError(f"train.compile=true with {why} compiles each block, and {'/'.join(builtin)} is torch's own "
+        raise ConfigError(f"train.compile=true with {why} compiles each block, and {'/'.join(builtin)} is torch's own "
                          f"module, which torch.compile leaves eager; name a block class of the model with "
                          f"strategy.block=<class name>, or {other}")
     torch._dynamo.config.optimize_ddp = False

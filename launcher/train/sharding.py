@@ -18,6 +18,7 @@ from typing import Any, Callable, Iterator
 import torch
 from torch import nn
 
+from launcher.derived import ConfigError
 from launcher.train.precision import Precision
 
 # what the dry run and the launcher's first line say: the workers find the blocks (the parent builds no model)
@@ -56,7 +57,7 @@ def blocks(model: nn.Module, block: str | None) -> tuple[list[nn.Module], str]:
             found.append(module)
             inside.update(id(m) for m in module.modules())
     if not found:
-        raise ValueError(f"the model has no module of class {' or '.join(sorted(names))} ({why}); "
+        raise ConfigError(f"the model has no module of class {' or '.join(sorted(names))} ({why}); "
                          f"name its block class with strategy.block=<class name>")
     kinds = sorted({type(m).__name__ for m in found})
     return found, f"{len(found)} x {'/'.join(kinds)} ({why})"

@@ -22,8 +22,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from launcher.closed_output import output_may_close
 from launcher.compat import DDP_NO_FORWARD_BUFFER_SYNC
-from launcher.derived import (NODE_CONFIG, auto_precision, compiles_each_block, config_hash, differing_keys,
-                              grad_accum_steps)
+from launcher.derived import (NODE_CONFIG, ConfigError, auto_precision, compiles_each_block, config_hash,
+                              differing_keys, grad_accum_steps)
 from launcher.preempt import REQUEUE_EXIT_CODE, StopFlag, preemption_signals
 from launcher.process_exit import exit_without_teardown
 from launcher.train import checkpoint, micro_batch, sharded_checkpoint, sharding
@@ -104,7 +104,7 @@ def build(cfg: DictConfig, run_dir: Path, env: launcher_dist.DistEnv) -> Run:
     data_plan = DataPlan(n_samples=len(task.train_set), global_batch_size=train_cfg.global_batch_size,
                          seed=train_cfg.seed, drop_last=train_cfg.drop_last)
     if data_plan.steps_per_epoch == 0:
-        raise ValueError(f"the train set has {data_plan.n_samples} samples, fewer than train.global_batch_size="
+        raise ConfigError(f"the train set has {data_plan.n_samples} samples, fewer than train.global_batch_size="
                          f"{train_cfg.global_batch_size} with train.drop_last=true")
     auto = train_cfg.micro_batch_size == "auto"
     run = Run(run_dir=run_dir, env=env, task=task, model=trained, module=model, optimizer=optimizer,
