@@ -28,6 +28,7 @@ from torch.distributed.elastic.rendezvous.api import RendezvousError
 from launcher.compat import (FLIGHT_RECORDER_BUFFER_SIZE, FLIGHT_RECORDER_DUMP_FILE, fallback_notes, relay_signals,
                              torchrun_shutdown_args, torchrun_signal_args)
 from launcher.derived import NODE_CONFIG, node_view
+from launcher.launch.agent_log import leave_out_what_the_launcher_says
 from launcher.launch.plan import Plan
 from launcher.launch.run_log import forget_failure, record_failure
 from launcher.preempt import (PREEMPTED_FILE, REQUEUE_EXIT_CODE, early_signal, preemption_signals, read_preempted,
@@ -160,6 +161,7 @@ def run_agent(config_path: Path, plan: Plan, launcher: DictConfig, rendezvous: l
     for note in fallback_notes(signals, launcher.shutdown_timeout_s):
         print(note, file=sys.stderr, flush=True)
     summary_before = summary_stamp(run_dir)
+    leave_out_what_the_launcher_says()  # torchrun's W/E lines on the failure or stop that our line names
     try:
         started = early_signal() not in signals  # one kept since the launcher started: no worker starts
         if not started:
