@@ -53,13 +53,15 @@ def read_preempted(run_dir: Path) -> dict[str, int] | None:
     return json.loads(marker.read_text()) if marker.exists() else None
 
 
-def stop_line(record: dict[str, int], run_dir: Path) -> str:
-    """What the launcher prints when a preemption signal ended its workers."""
+def stop_line(record: dict[str, int], run_dir: Path, sweep_dir: Path | None = None) -> str:
+    """What the launcher prints when a preemption signal ended its workers (of a point of a local sweep: the sweep's
+    command resumes it, then runs the points after it; hydra.run.dir would resume that point alone)."""
     step = record["step"]
     # 0: this rank was not signalled itself; it stopped with the ranks that were (a signal to one of them)
     name = signal.Signals(record["signal"]).name if record["signal"] else "a signal to another rank"
     how = "stopped" if record["signal"] == signal.SIGINT else "preempted"
-    relaunch = f"relaunch with hydra.run.dir={run_dir} to"
+    relaunch = (f"relaunch the sweep's command with hydra.sweep.dir={sweep_dir} (its finished points are skipped) to"
+                if sweep_dir else f"relaunch with hydra.run.dir={run_dir} to")
     if record.get("saved", True):
         return f"{how} by {name}: checkpoint saved at step {step}; {relaunch} resume (exit code {REQUEUE_EXIT_CODE})"
     when = ("before the workers started" if not record.get("started", True) else

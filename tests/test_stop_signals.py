@@ -5,6 +5,7 @@ with real launches of the toy job on 2 ranks."""
 from __future__ import annotations
 
 import json
+import re
 import signal
 import socket
 import subprocess
@@ -14,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, subprocess_env
+from conftest import REPO, on_the_cpu_plan, subprocess_env
 from helpers import finish, free_port, logged_step, node, start, store, wait_until
 from launcher.compat import TORCHRUN_SHUTDOWN_TIMEOUT
 from launcher.preempt import REQUEUE_EXIT_CODE
@@ -163,3 +164,24 @@ def test_slurm_s_own_sigint_and_the_agent_s_relay_are_one_ctrl_c() -> None:
             "os.kill(os.getpid(), signal.SIGTERM); time.sleep(5); print('not ended')")
     out = subprocess.run([sys.executable, "-c", code], env=subprocess_env(), capture_output=True, text=True, timeout=60)
     assert out.returncode == 128 + signal.SIGINT and out.stdout == "one stop 2\n", (out.returncode, out.stdout, out.stderr)
+
+
+def test_ctrl_c_in_a_local_sweep_names_the_sweep_s_command_which_resumes_it(tmp_path: Path) -> None:
+    """Ctrl-C in a point of a local -m sweep said `relaunch with hydra.run.dir=<that point's dir>`, which resumes that
+    point alone: the sweep's command with its hydra.sweep.dir resumes it, then runs the points after it."""
+    sweep = tmp_path / "sweep"
+    command = [sys.executable, "-m", "launcher", "-m", *on_the_cpu_plan([
+        "+exp=toy", "train.max_steps=30", "train.log_every=1", "train.eval_every=0", "data.sleep_s=0.05",
+        "train.seed=0,1", f"hydra.sweep.dir={sweep}"])]
+    proc = subprocess.Popen(command, cwd=tmp_path, env=subprocess_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    wait_until(lambda: logged_step(sweep / "0") >= 2)
+    proc.send_signal(signal.SIGINT)
+    out = finish(proc, REQUEUE_EXIT_CODE)
+    assert re.search(rf"stopped by SIGINT: checkpoint saved at step \d+; relaunch the sweep's command with "
+                     rf"hydra.sweep.dir={sweep} \(its finished points are skipped\) to resume \(exit code 75\)", out), out
+    assert not (sweep / "1").exists()
+    again = subprocess.run(command, cwd=tmp_path, env=subprocess_env(), capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "resumed from step" in again.stdout
+    assert [json.loads((sweep / point / "summary.json").read_text())["steps"] for point in "01"] == [30, 30]

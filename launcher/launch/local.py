@@ -18,6 +18,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
 
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from omegaconf import DictConfig
 from torch.distributed import DistNetworkError, DistStoreError
 from torch.distributed import run as torchrun
@@ -149,6 +151,13 @@ def environment(updates: dict[str, str]) -> Iterator[None]:
         os.environ.update(before)
 
 
+def sweep_of_this_launch() -> Path | None:
+    """The sweep dir when this launch runs a point of a local -m sweep (Hydra, in this process; not on Slurm)."""
+    if HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN:
+        return Path(HydraConfig.get().sweep.dir).absolute()
+    return None
+
+
 def run_agent(config_path: Path, plan: Plan, launcher: DictConfig, rendezvous: list[str],
               extra_env: dict[str, str] | None = None) -> int:
     """Run torchrun's agent for this node's workers in this process and wait; returns the node's exit code."""
@@ -204,6 +213,6 @@ def run_agent(config_path: Path, plan: Plan, launcher: DictConfig, rendezvous: l
         code = 0
     preempted = read_preempted(run_dir)
     if preempted is not None:
-        print(stop_line(preempted, run_dir), file=sys.stderr)
+        print(stop_line(preempted, run_dir, sweep_of_this_launch()), file=sys.stderr)
         return REQUEUE_EXIT_CODE
     return code
