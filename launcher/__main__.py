@@ -8,9 +8,11 @@ import sys
 import time
 
 from launcher.closed_output import output_may_close
+from launcher.interrupted import quiet_ctrl_c
 from launcher.preempt import keep_early_signals
 
 keep_early_signals()  # first, before the imports of seconds below
+quiet_ctrl_c("stopped by SIGINT before any worker started")  # (while those imports run: no traceback of them)
 output_may_close()  # (before Hydra's logging keeps sys.stdout): a closed pipe ends no launch
 os.environ["LAUNCHER_LAUNCH_TIME"] = str(time.time())  # the workers' start-up phases count from here (train/phases.py)
 from launcher.launch.cli import flags_first, main  # noqa: E402

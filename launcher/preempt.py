@@ -102,7 +102,7 @@ _early: list[StopFlag] = []  # the launcher process's one flag, once keep_early_
 def keep_early_signals() -> None:
     """SIGTERM or USR2 (launcher.signal's default) while no agent runs, in compose, the checks or between the
     points of a local sweep, ended the process with no word (exit 143). Kept instead, it ends the next start of
-    workers before it begins, as a preemption: exit 75, and the requeue goes on. (Ctrl-C there stays Python's.)"""
+    workers before it begins, as a preemption: exit 75, and the requeue goes on. (Ctrl-C there stays Python's: launcher/interrupted.py.)"""
     _early.append(StopFlag(list(EARLY_SIGNALS)))
 
 

@@ -185,3 +185,23 @@ def test_ctrl_c_in_a_local_sweep_names_the_sweep_s_command_which_resumes_it(tmp_
     assert again.returncode == 0, again.stderr[-3000:]
     assert "resumed from step" in again.stdout
     assert [json.loads((sweep / point / "summary.json").read_text())["steps"] for point in "01"] == [30, 30]
+
+
+def test_ctrl_c_while_the_launcher_or_a_worker_starts_is_one_line(tmp_path: Path) -> None:
+    """Ctrl-C in the first seconds (torch's import) printed a KeyboardInterrupt traceback through torch's modules, and
+    the workers', if they were importing, interleaved: now the launcher's line, and no run dir left half-made. A
+    worker interrupted while it imports prints nothing (the launcher says what stopped), and ends by SIGINT."""
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "launcher", "+exp=toy", f"hydra.run.dir={run_dir}"], cwd=tmp_path,
+                            env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    time.sleep(1)  # importing torch: a launch takes seconds more to check its config
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    assert (proc.returncode, out, err) == (-signal.SIGINT, "", "stopped by SIGINT before any worker started\n")
+    assert not run_dir.exists()
+    worker = subprocess.Popen([sys.executable, "-m", "launcher.train.worker", str(run_dir / "config.yaml")],
+                              env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    time.sleep(1)  # importing torch, after the hook (a worker's imports take seconds)
+    worker.send_signal(signal.SIGINT)
+    out, err = worker.communicate(timeout=120)
+    assert (worker.returncode, out, err) == (-signal.SIGINT, "", ""), err[-2000:]

@@ -184,6 +184,9 @@ def launch(cfg: DictConfig, run_dir: Path) -> None:
         print(f"error: {err}", file=sys.stderr)
         discard_if_fresh(run_dir)
         sys.exit(2)
+    except KeyboardInterrupt:  # Ctrl-C during the checks: no half-made run dir either (launcher/interrupted.py)
+        discard_if_fresh(run_dir)
+        raise
     new = not (run_dir / "config.yaml").exists()  # no run in it before: a Slurm submission that fails removes it
     config_path = write_config(run_dir, config)
     write_launch_record(run_dir, plan)

@@ -13,7 +13,10 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-import torch
+from launcher.interrupted import quiet_ctrl_c
+
+quiet_ctrl_c(None)  # before torch's import (seconds): Ctrl-C there is the launcher's to tell, not a traceback
+import torch  # noqa: E402 (and the imports below)
 import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 from torch.distributed.elastic.multiprocessing.errors import record
