@@ -116,6 +116,14 @@ def test_typo_fails_at_compose_time_naming_the_key(tmp_path: Path) -> None:
     out = run_cli("-m", "+exp=toy", "train.lr=1e-3,1e-2", cwd=tmp_path)
     assert out.returncode != 0 and "did you mean optimizer.lr?" in out.stderr
     assert not (tmp_path / "multirun").exists()
+    # a value only the launcher's checks refuse, in the last point: point 0 trained to its end before it was found
+    out = run_cli("-m", "+exp=toy", "train.global_batch_size=32,30", cwd=tmp_path)
+    assert (out.returncode, out.stderr.strip().splitlines()[-1:]) == (2, [
+        "error: sweep point #1 (train.global_batch_size=30): train.global_batch_size=30 "
+        "is not divisible by train.micro_batch_size=8 x world size 2 (= 16); set train.global_batch_size to a multiple "
+        "of 16 or change train.micro_batch_size; no point of the sweep ran (fix that value, or leave it out of the "
+        "sweep)"]), out.stderr[-2000:]
+    assert "worker(s)" not in out.stdout and not (tmp_path / "multirun").exists()
 
 
 def test_cfg_job_prints_the_composed_config(tmp_path: Path) -> None:

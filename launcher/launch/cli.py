@@ -34,6 +34,7 @@ from launcher.launch.run_lock import LOCK_FILE, launch_lock
 from launcher.launch.run_log import kept_in
 from launcher.launch.slurm_jobs import active_job, job_goes_on
 from launcher.launch.slurm_submit import dependency, queue
+from launcher.launch.sweep_points import check_every_point
 from launcher.launch.tracker_start import hydra_point, mark_failed, start_trackers
 from launcher.preempt import REQUEUE_EXIT_CODE, read_preempted, release_early_signals
 from launcher.redact import redact_override
@@ -170,6 +171,7 @@ def launch(cfg: DictConfig, run_dir: Path) -> None:
     if cfg.launcher.name == "slurm":  # no agent will start here to end as preempted
         release_early_signals()
     try:
+        check_every_point(lambda point, point_dir: check_inputs(checked_config(point, point_dir)[1], point_dir))
         plan, config, resume_step = checked_config(cfg, run_dir)
         # A finished run starts nothing (nor one whose Slurm job goes on: main): the command of a sweep whose points
         # ended apart (some failed, some were cancelled) runs again as a whole and queues only what is left
