@@ -8,6 +8,7 @@ Exercised by: `python -m launcher +exp=bert data=files data.path=missing.csv` (o
 from __future__ import annotations
 
 import csv
+import functools
 import json
 import os
 from pathlib import Path
@@ -93,6 +94,28 @@ def _first_empty_cell(path: Path, fields: list[str]) -> tuple[int, str] | None:
     return None
 
 
+@functools.lru_cache
+def _hub_problem(repo_id: str) -> str | None:
+    """Why the workers could not load a hub id the machine's cache lacks, asked of the hub once (seconds at most): with
+    no network every rank's transformers retried for over a minute, then failed in the tokenizer (data._target_) with
+    a screen of tracebacks."""
+    from huggingface_hub import model_info, try_to_load_from_cache
+
+    if isinstance(try_to_load_from_cache(repo_id, "config.json"), str):
+        return None  # (a cached model's files load without the hub)
+    try:
+        model_info(repo_id, timeout=10)
+        return None
+    except Exception as error:  # noqa: BLE001 - httpx's or requests' errors, by huggingface_hub's version
+        kinds = {kind.__name__ for kind in type(error).__mro__}
+        why = (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
+        if "RepositoryNotFoundError" in kinds:  # (a gated one too: it needs a token, huggingface-cli login)
+            return f"the hub has no model of that name that this machine may read ({why}); check the name"
+        return (f"not in this machine's Hugging Face cache, and the hub does not answer ({type(error).__name__}: "
+                f"{why}); download it where the hub answers (hf download {repo_id}), or give a local dir written by "
+                f"save_pretrained")
+
+
 def check_job_inputs(config: dict[str, Any], pinned: dict[str, dict[str, str]]) -> None:
     """`pinned`: this run dir's pinned_pretrained, the checkpoints its earlier starts built from."""
     _check_source(config.get("data") or {})  # before the files' own checks: a file that is not there would be unread
@@ -116,6 +139,9 @@ def check_job_inputs(config: dict[str, Any], pinned: dict[str, dict[str, str]]) 
             if _offline():
                 raise ConfigError(f"{group}.{key}={value} is a hub id but the hub is off (HF_HUB_OFFLINE=1); it needs "
                                   f"the hub, or a local dir written by save_pretrained")
+            problem = _hub_problem(value)
+            if problem:
+                raise ConfigError(f"{group}.{key}={value}: {problem}")
     dropout = (config.get("model") or {}).get(DROPOUT_KEY)
     probability = isinstance(dropout, (int, float)) and not isinstance(dropout, bool) and 0 <= dropout < 1
     if dropout is not None and not probability:
