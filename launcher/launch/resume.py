@@ -42,10 +42,12 @@ def check_resume(run_dir: Path, config: dict[str, Any]) -> int | None:
         except Exception as err:  # unreadable, or not YAML
             raise ConfigError(f"{previous} cannot be read ({type(err).__name__}); restore it, use a new "
                               f"{new_dir_key()}, or set resume.allow_config_change=true") from None
-        changed = differing_keys(old, trajectory_config(config))
-        if changed:
-            raise ConfigError(f"the checkpoints in {run_dir} were trained with a different config "
-                              f"({', '.join(changed)} changed); restore it, use a new {new_dir_key()}, "
+        new = trajectory_config(config)
+        changed = differing_keys(old, new)
+        if changed:  # each key with both values: which one to restore, or to allow
+            was = ", ".join(f"{key} was {_at(old, key)}, now {_at(new, key)}" for key in changed[:5])
+            raise ConfigError(f"the checkpoints in {run_dir} were trained with a different config ({was}"
+                              f"{' and more' if len(changed) > 5 else ''}); restore it, use a new {new_dir_key()}, "
                               f"or set resume.allow_config_change=true")
     max_steps = config["train"]["max_steps"]
     if steps[-1] > max_steps:  # the workers would train nothing, and record a second end of the run
@@ -75,3 +77,15 @@ def finished(run_dir: Path, config: dict[str, Any], resume_step: int | None) -> 
         return None
     return (f"run dir {run_dir} already evaluated without training: eval {evaluated}; nothing to run (to "
             f"evaluate again, use a new {new_dir_key()} or resume=never)")
+
+
+def _at(config: dict[str, Any], dotted: str) -> str:
+    """The value at a dotted key of a resolved config, as the user would type it (missing: unset)."""
+    node: Any = config
+    for part in dotted.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return "unset"
+        node = node[part]
+    if node is None or isinstance(node, bool):  # (YAML's words)
+        return "null" if node is None else str(node).lower()
+    return str(node)[:60]
