@@ -231,3 +231,17 @@ def test_slurm_dependency_and_after_reach_sbatch(tmp_path: Path) -> None:
     params = json.loads(out.stdout.split("executor parameters: ", 1)[1].splitlines()[0])
     assert params["additional_parameters"] == {"dependency": "afterany:17,afterok:4242_1", "kill_on_invalid_dep": "yes",
                                                "requeue": True}  # see test_slurm.py: the test cluster has JobRequeue=0
+
+
+def test_a_command_without_an_experiment_or_with_more_workers_than_cores_says_so(tmp_path: Path) -> None:
+    """`python -m launcher` alone trained conf/config.yaml's toy MLP without a word, and 64 CPU workers on 2 cores
+    were taken as asked (dry runs: the checks and notes of a launch, no worker)."""
+    out = run_cli("launcher.dry_run=true", f"hydra.run.dir={tmp_path / 'bare'}", cwd=tmp_path)
+    assert out.returncode == 0 and out.stderr.strip() == ("note: no +exp=<name>: training the defaults (model=mlp, "
+                                                          "data=toy); the experiments are bench, bert, bert_mlm, toy")
+    many = len(os.sched_getaffinity(0)) + 1
+    out = run_cli("+exp=toy", f"launcher.nproc_per_node={many}", f"train.global_batch_size={8 * many}",
+                  "launcher.dry_run=true", f"hydra.run.dir={tmp_path / 'many'}", cwd=tmp_path)
+    assert out.returncode == 0 and out.stderr.strip() == (
+        f"warning: {many} CPU workers on {many - 1} cores take turns on them; launcher.nproc_per_node={many - 1} or "
+        f"fewer trains the same steps faster"), out.stderr

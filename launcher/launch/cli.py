@@ -41,6 +41,7 @@ from launcher.redact import redact_override
 from launcher.rundir import LAUNCH_FILE, pinned_pretrained
 from launcher.schema import register
 from launcher.track.protocol import write_record
+from launcher.train.prefetch import usable_cores
 from launcher.train.sharding import RULE as SHARDING_RULE
 
 register()
@@ -166,6 +167,23 @@ def check_inputs(config: dict, run_dir: Path) -> None:
         dependency(config["launcher"])
 
 
+def notes_before_the_start(plan: Plan, config: dict) -> list[str]:
+    """What a local launch says before its workers start: a precision this CPU emulates, more CPU workers than cores
+    (a step waits for the slowest of them), and a command that names no experiment."""
+    notes = [slow_precision_warning(config["precision"]["name"])
+             if plan.device_type == "cpu" and config["precision"]["name"] in ("bf16", "fp16") else None]
+    if plan.device_type == "cpu" and plan.nproc_per_node > usable_cores():
+        notes.append(f"warning: {plan.nproc_per_node} CPU workers on {usable_cores()} cores take turns on them; "
+                     f"launcher.nproc_per_node={usable_cores()} or fewer trains the same steps faster")
+    hydra = HydraConfig.get()
+    chosen, given = hydra.runtime.choices, {o.split("=")[0].lstrip("+~") for o in hydra.overrides.task}
+    if "exp" not in chosen and not {"model", "data"} & given:
+        exps = ", ".join(sorted(path.stem for path in (CONF_DIR / "exp").glob("*.yaml")))
+        notes.append(f"note: no +exp=<name>: training the defaults (model={chosen.get('model')}, "
+                     f"data={chosen.get('data')}); the experiments are {exps}")
+    return [note for note in notes if note]
+
+
 def launch(cfg: DictConfig, run_dir: Path) -> None:
     """Check, resolve and write the run's config, then run its workers here or queue its Slurm job."""
     if cfg.launcher.name == "slurm":  # no agent will start here to end as preempted
@@ -198,10 +216,8 @@ def launch(cfg: DictConfig, run_dir: Path) -> None:
         queue(run_dir, config_path, plan, cfg.launcher, point.sweep_dir, new)
         return
     resuming = "" if resume_step is None else f" | resuming (latest checkpoint: step {resume_step})"
-    if plan.device_type == "cpu" and config["precision"]["name"] in ("bf16", "fp16"):  # (this host's CPU: local runs)
-        warning = slow_precision_warning(config["precision"]["name"])
-        if warning:
-            print(warning, file=sys.stderr, flush=True)
+    for note in notes_before_the_start(plan, config):
+        print(note, file=sys.stderr, flush=True)
     threads = threads_per_worker(plan)
     each = f", {threads} thread(s) each" if threads else ""  # (OMP_NUM_THREADS, unless the user set it)
     print(f"run dir {run_dir} | {plan.world_size} worker(s) on {plan.device_type}{each} | "
