@@ -6,9 +6,11 @@ start the workers here (launcher=local), or queue the run for Slurm (launcher=sl
 from __future__ import annotations
 
 import json
+import os
 import platform
 import shutil
 import sys
+import time
 from contextlib import nullcontext
 from dataclasses import asdict
 from itertools import islice
@@ -41,6 +43,7 @@ from launcher.redact import redact_override
 from launcher.rundir import LAUNCH_FILE, pinned_pretrained
 from launcher.schema import register
 from launcher.track.protocol import write_record
+from launcher.train.phases import LAUNCH_TIME
 from launcher.train.prefetch import usable_cores
 from launcher.train.sharding import RULE as SHARDING_RULE
 
@@ -118,6 +121,8 @@ def flags_first(args: list[str]) -> list[str]:
 @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")
 def main(cfg: DictConfig) -> None:
     release_stderr()  # Hydra composed the config: from here on our errors are one line already
+    if HydraConfig.get().mode == RunMode.MULTIRUN and HydraConfig.get().job.num:  # a local sweep's next point
+        os.environ[LAUNCH_TIME] = str(time.time())  # its start-up phases count from its own start, not the sweep's
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     continued = continued_run_dir(cfg, run_dir)
     if continued:  # the same command again after a crash or Ctrl-C: its run goes on, not a new one from step 0
