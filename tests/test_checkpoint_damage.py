@@ -61,6 +61,7 @@ def test_a_run_none_of_whose_checkpoints_reads_back_stops_then_starts_over_when_
     failed = launch(run_dir, "train.max_steps=30", "resume.allow_config_change=true")
     assert failed.returncode == 1
     assert "no checkpoint of this run reads back whole" in failed.stderr.strip().splitlines()[-1]
+    assert "Traceback" not in failed.stderr  # rank 0 found it; every rank says it as the one line it is (ConfigError)
     assert complete_steps(run_dir) == [] and (run_dir / "checkpoints" / ".unusable-10").is_dir()
     again = launch(run_dir, "train.max_steps=30", "resume.allow_config_change=true")
     assert again.returncode == 0 and "resumed from" not in again.stdout, again.stderr[-3000:]

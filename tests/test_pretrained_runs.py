@@ -132,6 +132,7 @@ def test_a_run_dir_stands_for_its_pinned_checkpoint_then_max_steps_0_evaluates(c
     assert bad.returncode == 1 and f"checkpoint {checkpoints / '6'} is unusable" in bad.stderr, bad.stderr[-3000:]
     last = bad.stderr.strip().splitlines()[-1]  # the launcher's line, from whichever rank it heard of first
     assert last.startswith("error: rank ") and f"model.pretrained={pretrain} is a run dir without a usable checkpoint" in last
+    assert "Traceback" not in bad.stderr and "ConfigError: " in last  # every rank's error is rank 0's one line
 
     # The pinned checkpoint is gone: a relaunch resumes, built from the fine-tune's own newest checkpoint (the
     # parent does not check again what the first start pinned)

@@ -189,19 +189,18 @@ def test_ctrl_c_in_a_local_sweep_names_the_sweep_s_command_which_resumes_it(tmp_
 
 def test_ctrl_c_while_the_launcher_or_a_worker_starts_is_one_line(tmp_path: Path) -> None:
     """Ctrl-C in the first seconds (torch's import) printed a KeyboardInterrupt traceback through torch's modules, and
-    the workers', if they were importing, interleaved: now the launcher's line, and no run dir left half-made. A
-    worker interrupted while it imports prints nothing (the launcher says what stopped), and ends by SIGINT."""
+    the workers', if they were importing, interleaved: now the launcher's line, and no run dir. A worker interrupted
+    while it imports prints nothing (the launcher says what stopped). Both end by SIGINT. The interrupt comes where
+    it did, deterministically: a sitecustomize whose finder raises it at `import torch`."""
+    shim = tmp_path / "shim"
+    shim.mkdir()
+    (shim / "sitecustomize.py").write_text(
+        "import sys\n\nclass CtrlC:\n    def find_spec(self, name, path=None, target=None):\n"
+        "        if name == 'torch':\n            raise KeyboardInterrupt\n\nsys.meta_path.insert(0, CtrlC())\n")
+    env = subprocess_env(PYTHONPATH=f"{shim}:{REPO}")
     run_dir = tmp_path / "run"
-    proc = subprocess.Popen([sys.executable, "-m", "launcher", "+exp=toy", f"hydra.run.dir={run_dir}"], cwd=tmp_path,
-                            env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    time.sleep(1)  # importing torch: a launch takes seconds more to check its config
-    proc.send_signal(signal.SIGINT)
-    out, err = proc.communicate(timeout=120)
-    assert (proc.returncode, out, err) == (-signal.SIGINT, "", "stopped by SIGINT before any worker started\n")
+    for module, said in (("launcher", "stopped by SIGINT before any worker started\n"), ("launcher.train.worker", "")):
+        out = subprocess.run([sys.executable, "-m", module, "+exp=toy", f"hydra.run.dir={run_dir}"], cwd=tmp_path, env=env,
+                             capture_output=True, text=True, timeout=120)
+        assert (out.returncode, out.stdout, out.stderr) == (-signal.SIGINT, "", said), out.stderr[-2000:]
     assert not run_dir.exists()
-    worker = subprocess.Popen([sys.executable, "-m", "launcher.train.worker", str(run_dir / "config.yaml")],
-                              env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    time.sleep(1)  # importing torch, after the hook (a worker's imports take seconds)
-    worker.send_signal(signal.SIGINT)
-    out, err = worker.communicate(timeout=120)
-    assert (worker.returncode, out, err) == (-signal.SIGINT, "", ""), err[-2000:]

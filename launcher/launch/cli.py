@@ -123,7 +123,16 @@ def main(cfg: DictConfig) -> None:
     release_stderr()  # Hydra composed the config: from here on our errors are one line already
     if HydraConfig.get().mode == RunMode.MULTIRUN and HydraConfig.get().job.num:  # a local sweep's next point
         os.environ[LAUNCH_TIME] = str(time.time())  # its start-up phases count from its own start, not the sweep's
-    run_dir = Path(HydraConfig.get().runtime.output_dir)
+    fresh = Path(HydraConfig.get().runtime.output_dir)
+    try:
+        launch_into(cfg, fresh)
+    except KeyboardInterrupt:  # Ctrl-C before any worker (sacct, the lock, the checks): no half-made run dir either
+        discard_if_fresh(fresh)
+        raise
+
+
+def launch_into(cfg: DictConfig, run_dir: Path) -> None:
+    """The launch in Hydra's run dir, or in the unfinished run dir of the same command; one at a time in a run dir."""
     continued = continued_run_dir(cfg, run_dir)
     if continued:  # the same command again after a crash or Ctrl-C: its run goes on, not a new one from step 0
         discard_if_fresh(run_dir)
@@ -189,12 +198,19 @@ def notes_before_the_start(plan: Plan, config: dict) -> list[str]:
     return [note for note in notes if note]
 
 
+def check_point(cfg: DictConfig, run_dir: Path) -> None:
+    """A sweep point's checks, as its own launch makes them: a point that finished is skipped before its inputs."""
+    _, config, resume_step = checked_config(cfg, run_dir)
+    if not finished(run_dir, config, resume_step):
+        check_inputs(config, run_dir)
+
+
 def launch(cfg: DictConfig, run_dir: Path) -> None:
     """Check, resolve and write the run's config, then run its workers here or queue its Slurm job."""
     if cfg.launcher.name == "slurm":  # no agent will start here to end as preempted
         release_early_signals()
     try:
-        check_every_point(lambda point, point_dir: check_inputs(checked_config(point, point_dir)[1], point_dir))
+        check_every_point(check_point)
         plan, config, resume_step = checked_config(cfg, run_dir)
         # A finished run starts nothing (nor one whose Slurm job goes on: main): the command of a sweep whose points
         # ended apart (some failed, some were cancelled) runs again as a whole and queues only what is left
@@ -209,9 +225,6 @@ def launch(cfg: DictConfig, run_dir: Path) -> None:
         print(f"error: {err}", file=sys.stderr)
         discard_if_fresh(run_dir)
         sys.exit(2)
-    except KeyboardInterrupt:  # Ctrl-C during the checks: no half-made run dir either (launcher/interrupted.py)
-        discard_if_fresh(run_dir)
-        raise
     new = not (run_dir / "config.yaml").exists()  # no run in it before: a Slurm submission that fails removes it
     config_path = write_config(run_dir, config)
     write_launch_record(run_dir, plan)

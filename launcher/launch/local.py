@@ -30,7 +30,8 @@ from torch.distributed.elastic.rendezvous.api import RendezvousError
 from launcher.compat import (FLIGHT_RECORDER_BUFFER_SIZE, FLIGHT_RECORDER_DUMP_FILE, fallback_notes, relay_signals,
                              torchrun_shutdown_args, torchrun_signal_args)
 from launcher.derived import NODE_CONFIG, node_view
-from launcher.launch.agent_log import leave_out_what_the_launcher_says
+from launcher.interrupted import say_on_ctrl_c
+from launcher.launch.agent_log import left_out_when_said
 from launcher.launch.plan import Plan
 from launcher.launch.run_log import forget_failure, record_failure
 from launcher.preempt import (PREEMPTED_FILE, REQUEUE_EXIT_CODE, early_signal, preemption_signals, read_preempted,
@@ -170,12 +171,13 @@ def run_agent(config_path: Path, plan: Plan, launcher: DictConfig, rendezvous: l
     for note in fallback_notes(signals, launcher.shutdown_timeout_s):
         print(note, file=sys.stderr, flush=True)
     summary_before = summary_stamp(run_dir)
-    leave_out_what_the_launcher_says()  # torchrun's W/E lines on the failure or stop that our line names
+    say_on_ctrl_c("stopped by SIGINT")  # (past this, one that no agent relays comes between runs of a local sweep)
     try:
         started = early_signal() not in signals  # one kept since the launcher started: no worker starts
         if not started:
             raise SignalException(f"got signal {early_signal()} before the workers started", sigval=early_signal())
-        with relay_signals(signals), environment(env):
+        # (torchrun's W/E lines on the failure or stop that our line names, without restarts)
+        with relay_signals(signals), environment(env), left_out_when_said(launcher.max_restarts == 0):
             torchrun.run(torchrun.parse_args(torchrun_args(config_path, plan, launcher, rendezvous)))
     except SignalException as err:  # the agent relayed it and waited for the workers' checkpoint
         code = 128 + int(err.sigval)

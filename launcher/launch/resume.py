@@ -12,6 +12,7 @@ from hydra.types import RunMode
 from omegaconf import OmegaConf
 
 from launcher.derived import ConfigError, config_hash, differing_keys, trajectory_config
+from launcher.redact import redacted
 from launcher.rundir import complete_steps, ended_summary
 
 
@@ -80,7 +81,7 @@ def finished(run_dir: Path, config: dict[str, Any], resume_step: int | None) -> 
 
 
 def _at(config: dict[str, Any], dotted: str) -> str:
-    """The value at a dotted key of a resolved config, as the user would type it (missing: unset)."""
+    """The value at a dotted key of a resolved config, as the user would type it (missing: unset), secrets out."""
     node: Any = config
     for part in dotted.split("."):
         if not isinstance(node, dict) or part not in node:
@@ -88,4 +89,4 @@ def _at(config: dict[str, Any], dotted: str) -> str:
         node = node[part]
     if node is None or isinstance(node, bool):  # (YAML's words)
         return "null" if node is None else str(node).lower()
-    return str(node)[:60]
+    return str(redacted(dotted, node))[:60]  # (the line goes to launcher.log too: no token, no URL's credentials)

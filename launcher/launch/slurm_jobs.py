@@ -76,11 +76,11 @@ def job_goes_on(run_dir: Path, active: str) -> str:
 def dependency_problem(job_ids: list[str], kind: str) -> str | None:
     """Why a dependency on these jobs would not wait as asked, or None: a job Slurm knows nothing of (sbatch takes it,
     and the job runs at once), or, for afterok, one that ended otherwise than COMPLETED (never met: Slurm cancels the
-    job, or, once it forgot the other, runs it at once). Told only where Slurm answered: without accounting (no
-    sacct) or a controller, it is left to Slurm."""
+    job, or, once it forgot the other, runs it at once); for afternotok, one that COMPLETED. Told only where Slurm
+    answered: without accounting (no sacct) or a controller, it is left to Slurm."""
     try:
-        out = subprocess.run(["sacct", "-n", "-X", "-P", "-o", "JobID,State", "-j", ",".join(job_ids)],
-                             capture_output=True, text=True, timeout=30)
+        out = subprocess.run(["sacct", "-a", "-n", "-X", "-P", "-o", "JobID,State", "-j", ",".join(job_ids)],
+                             capture_output=True, text=True, timeout=30)  # (-a: a colleague's job too)
     except (OSError, subprocess.TimeoutExpired):
         return None
     if out.returncode != 0:
@@ -96,6 +96,8 @@ def dependency_problem(job_ids: list[str], kind: str) -> str | None:
         ended = sorted({state for state in mine if state not in ACTIVE | {"COMPLETED"}})
         if kind == "afterok" and ended:
             return f"job {job} ended {'/'.join(ended)}, so afterok can never be met"
+        if kind == "afternotok" and mine and set(mine) == {"COMPLETED"}:
+            return f"job {job} COMPLETED, so afternotok can never be met"
     return None
 
 

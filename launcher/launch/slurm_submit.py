@@ -97,13 +97,13 @@ def dependency(launcher: dict[str, Any]) -> str | None:
 
 @functools.lru_cache
 def dependency_refusal(dependency: str) -> str | None:
-    """Why Slurm would not wait as launcher.dependency asks, or None; asked once per launch, as after_state."""
-    for clause in re.split(r"[,?]", dependency):
-        kind, *ids = clause.split(":")
-        problem = dependency_problem([job.split("+")[0] for job in ids], kind) if ids else None  # (after:<id>+<min>)
-        if problem:
-            return problem
-    return None
+    """Why Slurm would not wait as launcher.dependency asks, or None; asked once per launch, as after_state. Clauses
+    joined by ',' must all be met, by '?' one of them (Slurm takes one kind of joint in a dependency)."""
+    problems = [dependency_problem([job.split("+")[0] for job in ids], kind) if ids else None  # (after:<id>+<min>)
+                for kind, *ids in (clause.split(":") for clause in re.split(r"[,?]", dependency))]
+    if "?" in dependency:
+        return problems[0] if all(problems) else None
+    return next((problem for problem in problems if problem), None)
 
 
 @functools.lru_cache

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from hydra import compose
+from hydra.core.global_hydra import GlobalHydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.experimental.callback import Callback
@@ -31,11 +32,18 @@ class SweepPoints(Callback):
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         from hydra._internal.core_plugins.basic_sweeper import BasicSweeper  # (its own expansion, not a copy)
 
-        params = config.hydra.sweeper.get("params")  # (a callback's error is only a warning of Hydra's)
+        POINTS.clear()
+        if not str(config.hydra.sweeper.get("_target_", "")).endswith(".BasicSweeper"):  # another sweeper's own way
+            return
+        params = config.hydra.sweeper.get("params")
         params = OmegaConf.to_container(params, resolve=False) if isinstance(params, DictConfig) else {}
         arguments = [f"{key}={value}" for key, value in params.items()] + list(config.hydra.overrides.task)
-        batches = BasicSweeper.split_arguments(OverridesParser.create().parse_overrides(arguments), None)
-        POINTS[:] = [list(point) for batch in batches for point in batch]
+        parser = OverridesParser.create(config_loader=GlobalHydra.instance().config_loader())  # (glob(*) of a group)
+        try:  # a callback's error would only be Hydra's warning, on every launch: each point is checked as it starts
+            batches = BasicSweeper.split_arguments(parser.parse_overrides(arguments), None)
+        except Exception:  # noqa: BLE001
+            batches = []
+        POINTS.extend(list(point) for batch in batches for point in batch)
 
 
 def check_every_point(check: Callable[[DictConfig, Path], None]) -> None:
@@ -43,6 +51,8 @@ def check_every_point(check: Callable[[DictConfig, Path], None]) -> None:
     names the point."""
     hydra = HydraConfig.get()
     if hydra.mode != RunMode.MULTIRUN or hydra.job.num != 0 or len(POINTS) < 2:
+        return
+    if str(hydra.sweep.subdir) != "0":  # a subdir of the user's own: the points' run dirs are not <sweep dir>/<num>
         return
     shared = set.intersection(*(set(point) for point in POINTS))  # a point is named by what it sweeps
     for num, point in enumerate(POINTS):

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from launcher.compat import SET_PG_TIMEOUT
+from launcher.derived import ConfigError
 
 
 @dataclass(frozen=True)
@@ -116,18 +117,21 @@ def on_rank_0(work: Callable[[], Any], error_type: type[Exception] = RuntimeErro
               describe: Callable[[Exception], str] = lambda error: str(error) or type(error).__name__) -> Any:
     """work() on rank 0 (file-system reads and writes that one rank does for all), its picklable result on every
     rank; every rank must call it. Rank 0's error is every rank's, one line as `describe` says it, raised as
-    `error_type`: the others would otherwise wait in the broadcast (other nodes' ranks until a timeout)."""
+    `error_type` (a ConfigError stays one: a user's mistake, one line on every rank): the others would otherwise
+    wait in the broadcast (other nodes' ranks until a timeout)."""
     outcome: list[Any] = [None]
     failure = None
     if dist.get_rank() == 0:
         try:
             outcome = [(True, work())]
         except Exception as error:
-            failure, outcome = error, [(False, describe(error).splitlines()[0])]
+            said = describe(error).splitlines()[0]
+            failure, outcome = error, [(False, (said, isinstance(error, ConfigError)))]
     dist.broadcast_object_list(outcome, src=0)
     done, value = outcome[0]
     if not done:
-        raise error_type(value) from failure
+        said, mistake = value
+        raise (ConfigError if mistake else error_type)(said) from failure
     return value
 
 

@@ -15,7 +15,8 @@ from typing import Any
 
 from launcher.interrupted import quiet_ctrl_c
 
-quiet_ctrl_c(None)  # before torch's import (seconds): Ctrl-C there is the launcher's to tell, not a traceback
+if __name__ == "__main__":  # a rank (not a script that imports it): before torch's import, which takes seconds
+    quiet_ctrl_c(None)  # Ctrl-C there is the launcher's to tell, not a traceback
 import torch  # noqa: E402 (and the imports below)
 import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
