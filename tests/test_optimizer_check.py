@@ -2,11 +2,13 @@
 parent with a traceback, and optimizer.weight_decay=abc passed it and failed every rank, naming no key."""
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-from conftest import compose_config, run_cli
+from conftest import REPO, compose_config, run_cli, subprocess_env
 from launcher.derived import ConfigError
 from launcher.launch.optimizer_check import check_optimizer
 
@@ -34,6 +36,18 @@ def test_what_the_optimizer_takes_passes_and_a_job_s_own_optimizer_is_the_worker
     check_optimizer(compose_config("+exp=toy", "optimizer=sgd", "+optimizer.nesterov=true",
                                    "optimizer.momentum=0.9").optimizer)
     check_optimizer(compose_config("+exp=toy", "optimizer._target_=jobs.no_such.Optimizer").optimizer)  # not imported
+
+
+def test_the_check_imports_no_dynamo_and_leaves_the_workers_environment_alone() -> None:
+    """Built on a parameter, an optimizer imports torch._dynamo (2 s of the parent's start), which sets
+    TORCHINDUCTOR_CACHE_DIR: the workers took it for the user's own cache, and kept no compile cache in the run dir."""
+    code = ("import os, sys\nfrom conftest import compose_config\nfrom launcher.launch.optimizer_check import "
+            "check_optimizer\ncheck_optimizer(compose_config('+exp=toy', 'optimizer=sgd', 'optimizer.momentum=0.9')"
+            ".optimizer)\nprint('torch._dynamo' in sys.modules, os.environ.get('TORCHINDUCTOR_CACHE_DIR'))")
+    env = {k: v for k, v in subprocess_env().items() if k != "TORCHINDUCTOR_CACHE_DIR"}
+    env["PYTHONPATH"] = f"{REPO / 'tests'}:{REPO}"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip() == "False None", out.stdout + out.stderr[-2000:]
 
 
 @pytest.mark.slow

@@ -139,7 +139,8 @@ def check_job_inputs(config: dict[str, Any], pinned: dict[str, dict[str, str]]) 
             if _offline():
                 raise ConfigError(f"{group}.{key}={value} is a hub id but the hub is off (HF_HUB_OFFLINE=1); it needs "
                                   f"the hub, or a local dir written by save_pretrained")
-            problem = _hub_problem(value)
+            # (a dry run plans, and asks no hub: README's commands run as written on a machine without one)
+            problem = None if (config.get("launcher") or {}).get("dry_run") else _hub_problem(value)
             if problem:
                 raise ConfigError(f"{group}.{key}={value}: {problem}")
     dropout = (config.get("model") or {}).get(DROPOUT_KEY)
