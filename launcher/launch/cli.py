@@ -186,9 +186,10 @@ def notes_before_the_start(plan: Plan, config: dict) -> list[str]:
     (a step waits for the slowest of them), and a command that names no experiment."""
     notes = [slow_precision_warning(config["precision"]["name"])
              if plan.device_type == "cpu" and config["precision"]["name"] in ("bf16", "fp16") else None]
-    if plan.device_type == "cpu" and plan.nproc_per_node > usable_cores():
-        notes.append(f"warning: {plan.nproc_per_node} CPU workers on {usable_cores()} cores take turns on them; "
-                     f"launcher.nproc_per_node={usable_cores()} or fewer trains the same steps faster")
+    cores = usable_cores()
+    if plan.device_type == "cpu" and plan.nproc_per_node > cores:
+        notes.append(f"warning: {plan.nproc_per_node} CPU workers on {cores} cores take turns on them; "
+                     f"launcher.nproc_per_node={cores} or fewer trains the same steps faster")
     hydra = HydraConfig.get()
     chosen, given = hydra.runtime.choices, {o.split("=")[0].lstrip("+~") for o in hydra.overrides.task}
     if "exp" not in chosen and not {"model", "data"} & given:
@@ -245,7 +246,7 @@ def launch(cfg: DictConfig, run_dir: Path) -> None:
         args = torchrun_args(config_path, plan, cfg.launcher, local_rendezvous(plan, cfg.launcher, run_dir))
         print(f"dry run: would run python -m torch.distributed.run {' '.join(args)}", flush=True)
         return
-    code = run_local(config_path, plan, cfg.launcher, config)
+    code = run_local(config_path, plan, cfg.launcher, config, point.sweep_dir)
     stop = read_preempted(run_dir) if code == REQUEUE_EXIT_CODE else None
     if stop and not stop.get("saved", True):  # no rank 0 told the trackers of this stop (a save does)
         mark_failed(run_dir, config, 128 + stop["signal"])

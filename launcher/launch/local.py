@@ -18,8 +18,6 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
 
-from hydra.core.hydra_config import HydraConfig
-from hydra.types import RunMode
 from omegaconf import DictConfig
 from torch.distributed import DistNetworkError, DistStoreError
 from torch.distributed import run as torchrun
@@ -71,12 +69,14 @@ def local_rendezvous(plan: Plan, launcher: DictConfig, run_dir: Path) -> list[st
     return c10d_rendezvous(launcher.rdzv_endpoint, rdzv_id, launcher.rdzv_timeout_s)
 
 
-def run_local(config_path: Path, plan: Plan, launcher: DictConfig, config: dict[str, Any]) -> int:
+def run_local(config_path: Path, plan: Plan, launcher: DictConfig, config: dict[str, Any],
+              sweep_dir: Path | None = None) -> int:
     """This node's workers; returns the exit code: 0, REQUEUE_EXIT_CODE, or the failed rank's. With several
     nodes, each node's workers also get the config its own launcher resolved, to compare across nodes."""
     (config_path.parent / PREEMPTED_FILE).unlink(missing_ok=True)  # an earlier launch's marker means nothing
     node = {NODE_CONFIG: json.dumps(node_view(config, config_path.parent))} if plan.nnodes > 1 else {}
-    return run_agent(config_path, plan, launcher, local_rendezvous(plan, launcher, config_path.parent), node)
+    return run_agent(config_path, plan, launcher, local_rendezvous(plan, launcher, config_path.parent), node,
+                     sweep_dir)
 
 
 def summary_stamp(run_dir: Path) -> int | None:
@@ -152,16 +152,10 @@ def environment(updates: dict[str, str]) -> Iterator[None]:
         os.environ.update(before)
 
 
-def sweep_of_this_launch() -> Path | None:
-    """The sweep dir when this launch runs a point of a local -m sweep (Hydra, in this process; not on Slurm)."""
-    if HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN:
-        return Path(HydraConfig.get().sweep.dir).absolute()
-    return None
-
-
 def run_agent(config_path: Path, plan: Plan, launcher: DictConfig, rendezvous: list[str],
-              extra_env: dict[str, str] | None = None) -> int:
-    """Run torchrun's agent for this node's workers in this process and wait; returns the node's exit code."""
+              extra_env: dict[str, str] | None = None, sweep_dir: Path | None = None) -> int:
+    """Run torchrun's agent for this node's workers in this process and wait; returns the node's exit code.
+    `sweep_dir`: the run is a point of that local -m sweep, whose command resumes it after a stop."""
     run_dir, signals = config_path.parent, preemption_signals(launcher.signal)
     shutil.rmtree(run_dir / HANG_DIR, ignore_errors=True)  # reports of an earlier launch say nothing now
     forget_failure(run_dir)  # (its error.txt neither)
@@ -215,6 +209,6 @@ def run_agent(config_path: Path, plan: Plan, launcher: DictConfig, rendezvous: l
         code = 0
     preempted = read_preempted(run_dir)
     if preempted is not None:
-        print(stop_line(preempted, run_dir, sweep_of_this_launch()), file=sys.stderr)
+        print(stop_line(preempted, run_dir, sweep_dir), file=sys.stderr)
         return REQUEUE_EXIT_CODE
     return code
