@@ -70,7 +70,8 @@ def test_an_evaluation_without_training_runs_once_per_config(tmp_path: Path) -> 
     """train.max_steps=0 again in its run dir starts nothing; with another config it evaluates again, and its
     record replaces the earlier start's (a fresh start keeps no record, a step-0 eval included)."""
     run_dir = tmp_path / "evaluate"
-    finish(start(run_dir, "train.max_steps=0"), 0)
+    out = finish(start(run_dir, "train.max_steps=0"), 0)
+    assert "no step to train (train.max_steps=0) (" in out and "first step" not in out  # its start-up's last phase
     files = {name: (run_dir / name).read_bytes() for name in ("summary.json", "metrics.jsonl", "launch.json")}
     evaluated = json.loads(files["summary.json"])["eval"]
     again = finish(start(run_dir, "train.max_steps=0"), 0)

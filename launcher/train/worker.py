@@ -271,8 +271,9 @@ def build_and_train(cfg: DictConfig, path: Path, env: launcher_dist.DistEnv, sto
             run.log.info(f"world size {env.world_size} | grad accum "  # (the launcher's first line names the run dir)
                          f"{run.grad_accum_steps} | precision {run.precision.name} | "
                          f"{'compiled' if run.compile_watch.enabled else 'eager'} | {cfg.strategy.name} | config {hashes[0]}")
-            phase(path.parent, env.is_main, "first step, compiling the model (minutes for a large one)"
-                  if run.compile_watch.enabled else "first step")
+            first = ("first step, compiling the model (minutes for a large one)" if run.compile_watch.enabled else
+                     "first step") if progress.step < run.max_steps else f"no step to train (train.max_steps={run.max_steps})"
+            phase(path.parent, env.is_main, first)
             summary = train(run, progress, stop, state and state.get("final_eval"))
         except torch.OutOfMemoryError as error:  # where a step (or an fsdp trial) cannot be redone: exit for a restart
             micro_batch.exit_out_of_memory(run, error)
