@@ -15,9 +15,9 @@ pytestmark = pytest.mark.slow
 TOY = ("+exp=toy", "train.log_every=10", "train.eval_every=0", "train.global_batch_size=16", "train.micro_batch_size=8")
 
 
-def status(run_dir: Path) -> list[str]:
-    out = subprocess.run([sys.executable, "-m", "launcher.launch.status", str(run_dir)], cwd=REPO, env=subprocess_env(),
-                         capture_output=True, text=True)
+def status(*dirs: Path, cwd: Path = REPO) -> list[str]:
+    out = subprocess.run([sys.executable, "-m", "launcher.launch.status", *map(str, dirs)], cwd=cwd,
+                         env=subprocess_env(), capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     return out.stdout.splitlines()
 
@@ -71,6 +71,12 @@ def test_a_dry_run_is_told_apart_and_torchrun_s_thread_banner_is_the_launcher_s_
                          out.stderr), out.stderr
     assert status(run_dir)[1].split()[2] == "DRY-RUN"
     assert "dry run: would run python -m torch.distributed.run" in (run_dir / "launcher.log").read_text()
+    assert run_cli(*TOY, "launcher.dry_run=true", cwd=tmp_path).returncode == 0  # into ./runs/toy/<time>
+    rows = status(cwd=tmp_path)  # no dir named: the launcher's default dirs under the cwd
+    assert len(rows) == 2 and rows[1].startswith("runs/toy/") and rows[1].split()[2] == "DRY-RUN", rows
+    rows = status(run_dir, tmp_path / "runs")
+    assert len(rows) == 3 and rows[1].split()[0] == str(run_dir), rows
+    assert rows[2].split()[0].startswith(f"{tmp_path / 'runs' / 'toy'}/"), rows
     env = subprocess_env()
     env.pop("OMP_NUM_THREADS", None)
     ran = subprocess.run([sys.executable, "-m", "launcher", *on_the_cpu_plan([*TOY, "train.max_steps=2",
@@ -90,6 +96,10 @@ def test_status_starts_without_torch_and_names_a_missing_dir(tmp_path: Path) -> 
                          env=subprocess_env(), capture_output=True, text=True)
     assert out.returncode == 2 and out.stderr.strip() == (f"error: {tmp_path / 'nope'} is not a directory; name a run "
                                                           f"dir or a sweep dir (the launcher prints it)")
+    out = subprocess.run([sys.executable, "-m", "launcher.launch.status"], cwd=tmp_path, env=subprocess_env(),
+                         capture_output=True, text=True)
+    assert out.returncode == 2 and out.stderr.startswith("error: no run dir (a config.yaml with a launch.json) under "
+                                                         "./runs or ./multirun (the launcher's default dirs); usage: ")
 
 
 def test_a_run_whose_output_nobody_reads_any_more_trains_to_its_end(tmp_path: Path) -> None:

@@ -1,7 +1,8 @@
-"""`python -m launcher.launch.status <run dir or sweep dir>`: per run, its state (Slurm's; RUNNING: a local launch;
-FAILED with its error line, DONE, PREEMPTED, DRY-RUN),
-last step and loss, the last eval metrics, the best eval (train.best_metric) and the latest complete checkpoint; for a
-sweep also each point's own overrides.
+"""`python -m launcher.launch.status [run dir or sweep dir ...]`: the state of runs, one row each.
+
+Per run: its state (Slurm's; RUNNING: a local launch; FAILED with its error line, DONE, PREEMPTED, DRY-RUN), last
+step and loss, the last eval metrics, the best eval (train.best_metric) and the latest complete checkpoint; for a
+sweep also each point's own overrides. Named no dir, it looks under ./runs and ./multirun (the launcher's defaults).
 """
 from __future__ import annotations
 
@@ -17,6 +18,10 @@ from launcher.launch.run_log import failure_line
 from launcher.launch.slurm_jobs import recorded_job, slurm_states
 from launcher.preempt import PREEMPTED_FILE
 from launcher.rundir import ERROR_FILE, LAUNCH_FILE, SUMMARY_FILE, best_record, complete_steps, is_run_dir
+
+
+DEFAULT_ROOTS = ("runs", "multirun")  # conf/config.yaml's hydra.run.dir and hydra.sweep.dir, relative to the cwd
+USAGE = "usage: python -m launcher.launch.status [run dir or sweep dir ...] (none: ./runs and ./multirun)"
 
 
 def run_dirs(root: Path) -> list[Path]:
@@ -75,18 +80,21 @@ def _dry_run(run_dir: Path) -> bool:
 
 
 def main(argv: list[str]) -> int:
-    if len(argv) != 1:
-        print("usage: python -m launcher.launch.status <run dir or sweep dir>", file=sys.stderr)
+    roots = argv or [d for d in DEFAULT_ROOTS if Path(d).is_dir()]  # none named: the launcher's default dirs here
+    if argv and argv[0].startswith("-"):
+        print(USAGE, file=sys.stderr)
         return 2
-    if not Path(argv[0]).is_dir():
-        print(f"error: {argv[0]} is not a directory; name a run dir or a sweep dir (the launcher prints it)",
-              file=sys.stderr)
-        return 2
-    jobs = {run_dir: recorded_job(run_dir) for run_dir in run_dirs(Path(argv[0]))}
+    for root in argv:
+        if not Path(root).is_dir():
+            print(f"error: {root} is not a directory; name a run dir or a sweep dir (the launcher prints it)",
+                  file=sys.stderr)
+            return 2
+    jobs = {run_dir: recorded_job(run_dir) for root in roots for run_dir in run_dirs(Path(root))}
     slurm = slurm_states([job for job in jobs.values() if job])  # one query for a whole sweep
     rows = [describe(run_dir, job, slurm) for run_dir, job in jobs.items()]
     if not rows:
-        print(f"error: no run dir (a config.yaml with a launch.json) under {argv[0]}", file=sys.stderr)
+        where = " or ".join(roots) if argv else f"./{' or ./'.join(DEFAULT_ROOTS)} (the launcher's default dirs)"
+        print(f"error: no run dir (a config.yaml with a launch.json) under {where}; {USAGE}", file=sys.stderr)
         return 2
     if len(rows) > 1:  # a sweep: which values each point ran with (what all its points share, left out)
         overrides = {run_dir: _overrides(run_dir) for run_dir in jobs}
