@@ -53,6 +53,32 @@ def compiles_each_block(strategy: str, compile_scope: str | None) -> bool:
     return strategy == "fsdp" or compile_scope == "block"
 
 
+FUSED_BY_DEFAULT = {"ddp": ("Adam", "AdamW", "SGD"), "fsdp": ("Adam", "AdamW")}
+
+
+def takes_fused(optimizer: Any, strategy: str) -> bool:
+    """Whether the workers add fused=True: for torch's Adam/AdamW/SGD on every device, unless the config chooses
+    (fused or foreach). Fused steps skip a non-finite step on the device (no host sync), and on the CPU AdamW's is
+    5-7x faster than torch's default there, the per-tensor loop (bench/optimizer_step.py), so CPU runs take the path
+    that GPU runs take. Not SGD under strategy=fsdp: torch's sharded tensors (DTensor) have no rule for its fused
+    kernel (aten._fused_sgd_, torch 2.13), so it takes torch's default (foreach on GPUs)."""
+    name = str(optimizer["_target_"]).rsplit(".", 1)[-1]
+    return not {"fused", "foreach"} & set(optimizer) and name in FUSED_BY_DEFAULT[strategy]
+
+
+def unfused_step_note(optimizer: Any, strategy: str) -> str | None:
+    """For a GPU run whose optimizer steps unfused: each step then waits for the GPU, as the host reads the flag
+    that says whether to skip it (launcher/train/step.py); what to use to avoid that wait. None for a fused step."""
+    if takes_fused(optimizer, strategy) or optimizer.get("fused"):
+        return None
+    target = optimizer["_target_"]
+    chosen = [f"optimizer.{key}={optimizer[key]}" for key in ("fused", "foreach") if key in optimizer]
+    why = (", ".join(chosen) if chosen else "torch has no fused SGD for strategy=fsdp" if str(target).endswith(".SGD")
+           else "the launcher fuses torch's Adam, AdamW and SGD only")
+    return (f"note: {target} steps unfused ({why}): each step waits for the GPU while the host reads whether to skip "
+            f"it (inf/nan gradients); fused Adam or AdamW steps without waiting")
+
+
 # torch.compile's modes (train.compile_mode). The CUDA-graph ones overwrite a graph's outputs at its next
 # replay, which breaks gradient accumulation over micro-batches (pytorch#169545): the parent refuses them
 # with accumulation.

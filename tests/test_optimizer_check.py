@@ -1,5 +1,6 @@
 """The optimizer's values are checked in the parent (launcher/launch/optimizer_check.py): optimizer.lr=abc crashed the
-parent with a traceback, and optimizer.weight_decay=abc passed it and failed every rank, naming no key."""
+parent with a traceback, and optimizer.weight_decay=abc passed it and failed every rank, naming no key. Also what the
+optimizer step takes: a fused step or a note that it waits for the GPU, a gradient norm on the step's device."""
 from __future__ import annotations
 
 import subprocess
@@ -7,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from conftest import REPO, compose_config, run_cli, subprocess_env
 from launcher.derived import ConfigError
@@ -56,3 +58,32 @@ def test_an_optimizer_value_that_is_no_number_stops_the_launch_in_one_line(tmp_p
     assert out.returncode == 2 and out.stderr.strip().splitlines() == [
         "error: optimizer.lr=abc is not a number"], out.stderr
     assert not (tmp_path / "run").exists()
+
+
+def test_the_gradient_norm_is_on_the_step_s_device_even_without_gradients() -> None:
+    """torch's get_total_norm([]) is a CPU zero, which the step's stack with device flags would refuse on a GPU."""
+    from launcher.train.sharding import total_norm
+
+    assert total_norm([], torch.device("meta")).device.type == "meta"
+    grads = [torch.tensor([3.0]), torch.tensor([4.0])]
+    assert total_norm(grads, torch.device("cpu")).item() == 5.0
+
+
+@pytest.mark.parametrize(("overrides", "why"), [
+    ((), None), (("optimizer=sgd",), None), (("+optimizer.fused=true",), None),
+    (("strategy=fsdp",), None),
+    (("optimizer=sgd", "strategy=fsdp"), "torch has no fused SGD for strategy=fsdp"),
+    (("+optimizer.foreach=true",), "optimizer.foreach=True"), (("+optimizer.fused=false",), "optimizer.fused=False"),
+    (("optimizer._target_=torch.optim.Adagrad",), "the launcher fuses torch's Adam, AdamW and SGD only"),
+])
+def test_a_gpu_launch_names_an_optimizer_step_that_waits_for_the_gpu(overrides: tuple[str, ...], why: str | None) -> None:
+    """The workers fuse what derived.takes_fused says; any other step reads its skip flag on the host, every step."""
+    from launcher.derived import takes_fused, unfused_step_note
+
+    cfg = compose_config("+exp=toy", *overrides)
+    note = unfused_step_note(cfg.optimizer, cfg.strategy.name)
+    assert (note is None) == (why is None), note
+    if why:
+        assert note.startswith(f"note: {cfg.optimizer._target_} steps unfused ({why}): each step waits for the GPU"), note
+    assert takes_fused(cfg.optimizer, cfg.strategy.name) == (not overrides or overrides in (("optimizer=sgd",),
+                                                                                            ("strategy=fsdp",)))

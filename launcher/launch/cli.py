@@ -21,7 +21,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from launcher.derived import ConfigError, compiles_each_block
+from launcher.derived import ConfigError, compiles_each_block, unfused_step_note
 from launcher.launch.checks import check_job_inputs
 from launcher.launch.continue_run import continued_run_dir
 from launcher.launch.cpu_precision import slow_precision_warning
@@ -182,10 +182,12 @@ def check_inputs(config: dict, run_dir: Path) -> None:
 
 
 def notes_before_the_start(plan: Plan, config: dict) -> list[str]:
-    """What a local launch says before its workers start: a precision this CPU emulates, more CPU workers than cores
-    (a step waits for the slowest of them), and a command that names no experiment."""
+    """What a local launch says before its workers start: a precision this CPU emulates, an optimizer step that waits
+    for the GPU, more CPU workers than cores (a step waits for the slowest), and a command that names no experiment."""
     notes = [slow_precision_warning(config["precision"]["name"])
              if plan.device_type == "cpu" and config["precision"]["name"] in ("bf16", "fp16") else None]
+    if plan.device_type == "cuda":
+        notes.append(unfused_step_note(config["optimizer"], config["strategy"]["name"]))
     cores = usable_cores()
     if plan.device_type == "cpu" and plan.nproc_per_node > cores:
         notes.append(f"warning: {plan.nproc_per_node} CPU workers on {cores} cores take turns on them; "

@@ -117,9 +117,11 @@ def no_gradient_sync(model: nn.Module) -> Iterator[None]:
         model.set_requires_gradient_sync(True)
 
 
-def total_norm(grads: list[torch.Tensor]) -> torch.Tensor:
+def total_norm(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
     """The global 2-norm of the gradients: sharded ones' norm is all-reduced over the shards (DTensor), the
-    same on every rank; a plain tensor either way."""
+    same on every rank; a plain tensor on `device` either way (torch gives a CPU zero for no gradients)."""
+    if not grads:
+        return torch.zeros((), device=device)
     norm = torch.nn.utils.get_total_norm(grads)
     return norm.full_tensor() if is_dtensor(norm) else norm
 

@@ -62,7 +62,7 @@ def train_step(model: DDP | torch.nn.Module, task: Task, window: Window, optimiz
 
     scaler.unscale_(optimizer)  # once per step: clip true gradients, not scaled ones
     grads = [p.grad for p in model.parameters() if p.grad is not None]
-    grad_norm = sharding.total_norm(grads)  # over every rank's shards with strategy=fsdp
+    grad_norm = sharding.total_norm(grads, device)  # over every rank's shards with strategy=fsdp
     if max_grad_norm:
         torch.nn.utils.clip_grads_with_norm_(model.parameters(), max_grad_norm, grad_norm)
     # One all-reduce: every rank learns whether any rank saw inf/nan (so all skip together), whether any

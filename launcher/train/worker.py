@@ -9,7 +9,6 @@ import json
 import os
 import sys
 import traceback
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -27,42 +26,32 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from launcher.closed_output import output_may_close
 from launcher.compat import DDP_NO_FORWARD_BUFFER_SYNC
 from launcher.derived import (NODE_CONFIG, ConfigError, auto_precision, compiles_each_block, config_hash,
-                              differing_keys, grad_accum_steps)
+                              differing_keys, grad_accum_steps, takes_fused)
 from launcher.preempt import REQUEUE_EXIT_CODE, StopFlag, preemption_signals
 from launcher.process_exit import exit_without_teardown
-from launcher.train import checkpoint, micro_batch, sharded_checkpoint, sharding
+from launcher.train import checkpoint, micro_batch, sharding
 from launcher.train import dist as launcher_dist
 from launcher.train.background_save import BackgroundSave
 from launcher.train.best import best_eval
 from launcher.train.compile_cache import CompileCache
 from launcher.train.compiled import (CompileWatch, cannot_compile, compile_blocks, compile_module,
                                      failures_in_one_line)
-from launcher.train.data import DataPlan, rank_seed, seed_all
+from launcher.train.data import DataPlan, seed_all
 from launcher.train.job import build_part, check_task
-from launcher.train.ledger import Progress
 from launcher.train.loop import train
 from launcher.train.metrics import RunLog
 from launcher.train.orphan import end_with_the_agent
 from launcher.train.phases import phase
 from launcher.train.precision import Precision
 from launcher.train.profile import StepProfiler
+from launcher.train.restore import restore
 from launcher.train.run import Run
-from launcher.train.schedule import build_scheduler, resume_schedule
+from launcher.train.schedule import build_scheduler
 from launcher.train.sync_check import SyncCheck
 from launcher.train.watchdog import Watchdog
 
 
 COMM_HOOKS = {"fp16": default_hooks.fp16_compress_hook, "bf16": default_hooks.bf16_compress_hook}
-
-
-def _takes_fused(optimizer_cfg: DictConfig, strategy: str) -> bool:
-    """Fused kernels for Adam/AdamW/SGD on every device, unless the config chooses (fused or foreach): they
-    skip a non-finite step on the device (no host sync), and on the CPU AdamW's step is 5-7x faster than
-    torch's default there, the per-tensor loop (bench/optimizer_step.py), so CPU runs also take the path
-    that GPU runs take. Not SGD under strategy=fsdp: torch's sharded tensors (DTensor) have no rule for its
-    fused kernel (aten._fused_sgd_, torch 2.13), so it takes torch's default (foreach on GPUs)."""
-    fused = ("Adam", "AdamW") if strategy == "fsdp" else ("Adam", "AdamW", "SGD")
-    return not {"fused", "foreach"} & set(optimizer_cfg) and optimizer_cfg._target_.rsplit(".", 1)[-1] in fused
 
 
 def build(cfg: DictConfig, run_dir: Path, env: launcher_dist.DistEnv) -> Run:
@@ -99,7 +88,7 @@ def build(cfg: DictConfig, run_dir: Path, env: launcher_dist.DistEnv) -> Run:
                                                      train_cfg.compile_fullgraph, train_cfg.compile_ddp_split)
                        if compiling and not by_block else model)
     seed_all(train_cfg.seed * 1_000_003 + env.rank)  # dropout/augmentation noise differs per rank
-    fused = {"fused": True} if _takes_fused(cfg.optimizer, cfg.strategy.name) else {}
+    fused = {"fused": True} if takes_fused(cfg.optimizer, cfg.strategy.name) else {}  # (derived.py: why)
     # _convert_: plain lists (betas) in the optimizer's state, so checkpoints load with weights_only=True
     # on every torch (2.6's unpickler refuses omegaconf's ListConfig)
     optimizer = build_part("optimizer", cfg.optimizer, params=trained.parameters(), _convert_="all", **fused)
@@ -182,44 +171,6 @@ def compile_turned_off(cfg: DictConfig, env: launcher_dist.DistEnv) -> bool:
     return False
 
 
-def restore(run: Run, state: dict[str, Any] | None, seed: int, allow_config_change: bool) -> Progress:
-    """Optimizer, scheduler, scaler, RNG and progress from a checkpoint (weights are already loaded)."""
-    if state is None:
-        return Progress()
-    if state["config_hash"] != run.config_hash and not allow_config_change:
-        raise RuntimeError(f"the checkpoint was trained with config {state['config_hash']}, this run is "
-                           f"{run.config_hash}; set resume.allow_config_change=true to resume anyway")
-    # The checkpoint holds the state (moments, step counts, the schedule's position); this run's config holds the
-    # settings (lr, betas, weight decay, fused...): a change that resume.allow_config_change let through applies.
-    saved = state["optimizer"]
-    if state.get("optimizer_moments"):  # strategy=fsdp wrote its moments in shards: each rank reads what it keeps
-        step_dir = run.run_dir / "checkpoints" / str(state["progress"]["step"])
-        saved = sharded_checkpoint.read(step_dir / state["optimizer_moments"], saved, run.optimizer,
-                                        run.checkpoint_timeout_s)
-    elif sharding.is_sharded(run.module):  # DDP's full tensors: strategy=fsdp keeps its rows of each (sharding.py)
-        saved = sharding.shard_optimizer_state(run.optimizer, saved)
-    settings = run.optimizer.state_dict()["param_groups"]
-    run.optimizer.load_state_dict({**saved, "param_groups": [{**new, "params": old["params"]} for new, old
-                                                              in zip(settings, saved["param_groups"])]})
-    resume_schedule(run.scheduler, state["scheduler"])
-    if state["scaler"] and run.scaler.is_enabled():
-        run.scaler.load_state_dict(state["scaler"])
-    progress = Progress(**state["progress"])
-    # a run goes on in the sample order it started with: one started before the "feistel" order names none
-    order = state.get("sample_order", "randperm")
-    if order != run.data_plan.order:
-        run.data_plan = replace(run.data_plan, order=order)
-        run.log.info(f"this run continues in the sample order it started with ({order}: torch.randperm of the whole "
-                     f"train set at every step, a cost that grows with it); a new run dir reads its order in O(batch)")
-    run.best.load(state.get("best"))
-    if len(state["rng"]) == run.env.world_size:  # the same ranks: continue each rank's random stream
-        checkpoint.set_rng_state(state["rng"][run.env.rank], run.env.device)
-    else:  # another world size: fresh, still deterministic per-rank streams
-        seed_all(rank_seed(seed, run.env.rank, progress.step))
-    run.log.info(f"resumed from step {progress.step} ({run.run_dir / 'checkpoints' / str(progress.step)})")
-    return progress
-
-
 @record  # the agent reports this worker's traceback in its failure summary
 def main(config_path: str) -> None:
     end_with_the_agent()
@@ -238,16 +189,11 @@ def main(config_path: str) -> None:
         sys.exit(REQUEUE_EXIT_CODE)
 
 
-def build_and_train(cfg: DictConfig, path: Path, env: launcher_dist.DistEnv, stop: StopFlag) -> dict[str, Any]:
-    """Build the run, restore it from the latest checkpoint (unless resume=never), train; the summary."""
-    plan = cfg.plan  # elastic (min_nnodes): any whole number of nodes from min_nnodes to nnodes
-    worlds = [n * plan.nproc_per_node for n in range(plan.get("min_nnodes") or plan.nnodes, plan.nnodes + 1)]
-    if env.world_size not in worlds:
-        raise RuntimeError(f"WORLD_SIZE={env.world_size} but the plan in {path} says "
-                           f"{' or '.join(map(str, worlds))}; relaunch with python -m launcher")
-    run = build(cfg, path.parent, env)
-    hashes = launcher_dist.all_gather_objects(run.config_hash)
-    if len(set(hashes)) != 1:  # every rank must train the same config (hydra#2070)
+def same_config_on_every_rank(cfg: DictConfig, env: launcher_dist.DistEnv) -> str:
+    """The config's hash, once every rank has shown it read the same (hydra#2070) and, where each node has its own
+    launcher, every node resolved the same; checked before the collectives whose pairing the config decides."""
+    hashes = launcher_dist.all_gather_objects(config_hash(OmegaConf.to_container(cfg)))
+    if len(set(hashes)) != 1:
         raise RuntimeError(f"ranks read different configs: {hashes}")
     if NODE_CONFIG in os.environ:  # several nodes, each with its own launcher: did they resolve the same?
         nodes = launcher_dist.all_gather_objects(json.loads(os.environ[NODE_CONFIG]))
@@ -255,6 +201,18 @@ def build_and_train(cfg: DictConfig, path: Path, env: launcher_dist.DistEnv, sto
         if other is not None:
             raise RuntimeError(f"the node of rank {rank} resolved another {', '.join(differing_keys(nodes[0], other))} "
                                f"than the node of rank 0; run the same command, with the same hydra.run.dir, on every node")
+    return hashes[0]
+
+
+def build_and_train(cfg: DictConfig, path: Path, env: launcher_dist.DistEnv, stop: StopFlag) -> dict[str, Any]:
+    """Build the run, restore it from the latest checkpoint (unless resume=never), train; the summary."""
+    plan = cfg.plan  # elastic (min_nnodes): any whole number of nodes from min_nnodes to nnodes
+    worlds = [n * plan.nproc_per_node for n in range(plan.get("min_nnodes") or plan.nnodes, plan.nnodes + 1)]
+    if env.world_size not in worlds:
+        raise RuntimeError(f"WORLD_SIZE={env.world_size} but the plan in {path} says "
+                           f"{' or '.join(map(str, worlds))}; relaunch with python -m launcher")
+    config = same_config_on_every_rank(cfg, env)  # before build: precision=auto, compile=auto and DDP enter collectives
+    run = build(cfg, path.parent, env)
     state = None
     if cfg.resume.mode != "never":
         if checkpoint.complete_steps(path.parent):
@@ -270,10 +228,13 @@ def build_and_train(cfg: DictConfig, path: Path, env: launcher_dist.DistEnv, sto
                 micro_batch.choose(run, cfg.train.max_micro_batch_size, state and state.get("micro_batch_size"))
             run.log.info(f"world size {env.world_size} | grad accum "  # (the launcher's first line names the run dir)
                          f"{run.grad_accum_steps} | precision {run.precision.name} | "
-                         f"{'compiled' if run.compile_watch.enabled else 'eager'} | {cfg.strategy.name} | config {hashes[0]}")
-            first = ("first step, compiling the model (minutes for a large one)" if run.compile_watch.enabled else
-                     "first step") if progress.step < run.max_steps else f"no step to train (train.max_steps={run.max_steps})"
-            phase(path.parent, env.is_main, first)
+                         f"{'compiled' if run.compile_watch.enabled else 'eager'} | {cfg.strategy.name} | config {config}")
+            if progress.step >= run.max_steps:  # an evaluation without training, or the end of a run that ended
+                phase(path.parent, env.is_main, f"no step to train (train.max_steps={run.max_steps})")
+            elif run.compile_watch.enabled:
+                phase(path.parent, env.is_main, "first step, compiling the model (minutes for a large one)")
+            else:
+                phase(path.parent, env.is_main, "first step")
             summary = train(run, progress, stop, state and state.get("final_eval"))
         except torch.OutOfMemoryError as error:  # where a step (or an fsdp trial) cannot be redone: exit for a restart
             micro_batch.exit_out_of_memory(run, error)
