@@ -75,15 +75,17 @@ hydra.core.utils.datetime = Frozen
 
 def test_two_launches_at_once_get_two_run_dirs(tmp_path: Path) -> None:
     """PITFALLS #9: hydra#2925 (same-second dirs), here at one frozen instant, and a fixed rendezvous port
-    (EADDRINUSE) cannot bite."""
+    (EADDRINUSE) cannot bite. Two commands that differ (by a seed): the same command again while its run trains
+    continues that run's dir, and is refused while it holds the lock (tests/test_run_lock.py)."""
     shim = tmp_path / "shim"
     shim.mkdir()
     (shim / "sitecustomize.py").write_text(FROZEN_CLOCK)
     env = subprocess_env(PYTHONPATH=f"{shim}:{REPO}")
-    cmd = [sys.executable, "-m", "launcher", *on_the_cpu_plan([*TOY, "launcher.nproc_per_node=2",
-                                                                "train.micro_batch_size=4"])]
+    cmds = [[sys.executable, "-m", "launcher", *on_the_cpu_plan([*TOY, "launcher.nproc_per_node=2",
+                                                                  "train.micro_batch_size=4", f"train.seed={seed}"])]
+            for seed in (0, 1)]
     procs = [subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              text=True) for _ in range(2)]
+                              text=True) for cmd in cmds]
     for proc in procs:
         _, err = proc.communicate(timeout=300)
         assert proc.returncode == 0, err[-4000:]
