@@ -12,12 +12,14 @@ from torch import nn
 
 
 def MLP(in_features: int, hidden: int, out_features: int, depth: int = 2, dtype: str = "float32",
-        host_read: bool = False, dropout: float = 0.0) -> nn.Module:
+        host_read: bool = False, dropout: float = 0.0, batch_norm: bool = False) -> nn.Module:
     layers: list[nn.Module] = []
     width = in_features
     for _ in range(depth - 1):
-        # tests: dropout draws from each rank's random stream in every forward, which a resume must continue
-        layers += [nn.Linear(width, hidden), nn.Tanh(), *([nn.Dropout(dropout)] if dropout else [])]
+        # tests: dropout draws from each rank's random stream in every forward, which a resume must continue;
+        # batch_norm's running statistics (buffers) follow each rank's own batches
+        layers += [nn.Linear(width, hidden), *([nn.BatchNorm1d(hidden)] if batch_norm else []), nn.Tanh(),
+                   *([nn.Dropout(dropout)] if dropout else [])]
         width = hidden
     layers.append(nn.Linear(width, out_features))
     # tests: host_read reads a value of the outputs on the host in the forward, which breaks a compiled graph

@@ -182,3 +182,26 @@ def test_consecutive_non_finite_steps_stop_the_run(tmp_path: Path) -> None:
     assert re.search(r"error: rank \d failed: RuntimeError: 3 consecutive steps had non-finite gradients "
                      r"\(train\.max_bad_steps=3\)", out.stderr), out.stderr[-2000:]
     assert [m["skipped_steps"] for m in read_metrics(tmp_path / "nan")] == [1, 2]
+
+
+def test_batch_norm_statistics_are_rank_0_s_at_evals_and_checkpoints_so_a_resume_evaluates_the_same(
+        tmp_path: Path) -> None:
+    """BatchNorm's running statistics follow each rank's own batches (DDP's broadcast of buffers before each forward
+    is off); every eval and checkpoint takes rank 0's on every rank. Before, each rank evaluated its share with its
+    own statistics, and a run resumed at step 4 evaluated step 8 unlike the run that went on."""
+    norm = ("+exp=toy", "model.batch_norm=true", "model.dtype=float64", "data.dtype=float64", "train.max_steps=8",
+            "train.ckpt_every=4", "train.eval_every=4", "train.global_batch_size=16", "train.micro_batch_size=4")
+    run_dir = tmp_path / "run"
+    out = run_cli(*norm, f"hydra.run.dir={run_dir}", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    evals = {m["step"]: m["eval"] for m in read_metrics(run_dir) if "eval" in m}
+    final = weights(run_dir, 8)
+    assert any(name.endswith("running_mean") for name in final)
+    for name in ("checkpoints/8", "summary.json"):  # as if it had stopped after step 4's checkpoint
+        path = run_dir / name
+        subprocess.run(["rm", "-r", str(path)], check=True)
+    out = run_cli(*norm, f"hydra.run.dir={run_dir}", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "resumed from step 4" in out.stdout
+    again = {m["step"]: m["eval"] for m in read_metrics(run_dir) if "eval" in m}
+    assert again == evals and bitwise_equal(weights(run_dir, 8), final), (again, evals)

@@ -106,6 +106,23 @@ def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
+def same_buffers(module: torch.nn.Module) -> None:
+    """Rank 0's buffers on every rank. DDP's broadcast of them before each forward is off (ranks may run different
+    numbers of micro-batches), so buffers that a forward updates from its batch (BatchNorm's running statistics)
+    follow each rank's own batches; the eval and the checkpoint take rank 0's, as under DDP's broadcast, so that all
+    ranks evaluate one model and a resumed run goes on as the uninterrupted one. One broadcast; every rank enters."""
+    buffers = sorted(module.buffers(), key=lambda b: -b.element_size())  # each one's bytes start aligned for it
+    if not buffers or dist.get_world_size() == 1:
+        return
+    flat = torch.cat([b.detach().reshape(-1).view(torch.uint8) for b in buffers])
+    dist.broadcast(flat, src=0)
+    offset = 0
+    for b in buffers:
+        size = b.numel() * b.element_size()
+        b.data.copy_(flat[offset:offset + size].view(b.dtype).view_as(b))
+        offset += size
+
+
 def all_gather_objects(item: Any) -> list[Any]:
     """Every rank's (picklable) item, in rank order; every rank must call it."""
     gathered: list[Any] = [None] * dist.get_world_size()

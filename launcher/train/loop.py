@@ -18,7 +18,7 @@ from launcher.train import checkpoint, compiled, micro_batch, sharded_checkpoint
 from launcher.train.background_save import HostWeights
 from launcher.train.best import write_best
 from launcher.train.data import StepWindows, Window, WindowStream, window_loader
-from launcher.train.dist import all_gather_objects, training_timeout
+from launcher.train.dist import all_gather_objects, same_buffers, training_timeout
 from launcher.train.evaluation import evaluate
 from launcher.train.ledger import Progress, StepLedger
 from launcher.train.meter import Meter, peak_flops, peak_memory_mb, training_flops_per_item
@@ -48,7 +48,8 @@ def train(run: Run, progress: Progress, stop: StopFlag, final_eval: dict[str, fl
     """
     resumed_from, resumed_samples = progress.step, progress.samples
     if progress.eval_due:  # the preemption's checkpoint holds the weights that eval was due on
-        if record_eval(run, progress.step) and run.env.is_main:  # its checkpoint (the resumed one) is the best
+        best_now = record_eval(run, progress.step)  # every rank
+        if best_now and run.env.is_main:  # its checkpoint (the resumed one) is the best
             run.best.write(run.run_dir)
         progress.eval_due = False
     windows = StepWindows(run.task, run.data_plan, run.env.rank, run.env.world_size, run.grad_accum_steps,
@@ -128,7 +129,9 @@ def train(run: Run, progress: Progress, stop: StopFlag, final_eval: dict[str, fl
             preempted = True
             break
         with meter.left_out():  # the next log's samples/s, tokens/s and MFU are those of training
-            best_now = eval_now and record_eval(run, step)
+            best_now = False
+            if eval_now:  # every rank: the eval's sums are all-reduced
+                best_now = record_eval(run, step)  # whether this eval is the best so far (train.best_metric)
             if ckpt_now or best_now:
                 began = time.perf_counter()
                 save_checkpoint(run, progress)
@@ -184,6 +187,7 @@ def record_eval(run: Run, step: int) -> bool:
     """Evaluate and record; whether it is train.best_metric's best so far (the same on every rank: the metrics
     are all-reduced)."""
     run.watchdog.at("eval", step)
+    same_buffers(run.module)  # every rank evaluates rank 0's BatchNorm statistics
     metrics = evaluate(run)
     run.log.metrics({"step": step, "eval": metrics}, run.max_steps)
     return run.best.improved(step, metrics)
@@ -200,6 +204,7 @@ def save_checkpoint(run: Run, progress: Progress, final_eval: dict[str, float] |
     train.ckpt_async unless `complete` (the final save, a preemption's), which returns once it is written.
     `final_eval`: the final save's eval, so that a start from it does not record the run's end again."""
     run.watchdog.at("checkpoint", progress.step)
+    same_buffers(run.module)  # the checkpoint's buffers are every rank's: a resume goes on as the run would have
     write_model_files = getattr(run.task, "write_model_files", None)  # optional in the Task interface
     best = run.best.record(run.run_dir)  # best.json names the checkpoint that holds this best once it is complete
     # The others wait in a collective while rank 0 writes and checksums (or waits for the save before): gigabytes to
