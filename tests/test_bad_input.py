@@ -226,12 +226,12 @@ def test_cuda_plan_without_a_gpu_is_one_line(tmp_path: Path) -> None:
         "use launcher.device=auto or launcher.device=cpu")
 
 
-# A key the target does not take (+data.seq_lenn=16) no longer gets this far: the parent refuses it
-# (tests/test_known_keys.py)
+# A key the target does not take (+data.seq_lenn=16) and a target that is not there no longer get this far: the
+# parent refuses them (tests/test_known_keys.py, tests/test_own_job.py)
 @pytest.mark.parametrize("override, expected", [
-    ("model._target_=jobs.toy.MLPP", "model._target_=jobs.toy.MLPP failed: ImportError: Error loading 'jobs.toy.MLPP'"),
+    ("~model.hidden", "model._target_=jobs.toy.MLP failed: TypeError: MLP() missing 1 required positional argument"),
     ("data.dtype=nope", "data._target_=jobs.toy.ToyRegression failed: AttributeError: module 'torch' has no attribute "
-                        "'nope'")], ids=["model target", "fault in the job"])
+                        "'nope'")], ids=["model argument", "fault in the job"])
 def test_what_only_the_job_can_tell_is_one_line_from_the_workers(tmp_path: Path, override: str, expected: str) -> None:
     """Hydra's error ends in `full_key: data`, which was all of the launcher's line. Above it every rank printed
     its traceback (about 100 lines for 2 ranks), which for a config mistake says nothing more; a fault in the

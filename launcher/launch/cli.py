@@ -37,6 +37,7 @@ from launcher.launch.run_log import kept_in
 from launcher.launch.slurm_jobs import active_job, job_goes_on
 from launcher.launch.slurm_submit import dependency, queue
 from launcher.launch.sweep_points import check_every_point
+from launcher.launch.target_check import check_targets
 from launcher.launch.tracker_start import hydra_point, mark_failed, start_trackers
 from launcher.preempt import REQUEUE_EXIT_CODE, read_preempted, release_early_signals
 from launcher.redact import redact_override
@@ -164,6 +165,7 @@ def launch_into(cfg: DictConfig, run_dir: Path) -> None:
 def checked_config(cfg: DictConfig, run_dir: Path) -> tuple[Plan, dict, int | None]:
     """The parent's checks of the config itself, in order (ConfigError names the key): the plan, the resolved
     config the workers read, and the step a resume starts from."""
+    check_targets(cfg)  # a job of one's own without PYTHONPATH failed each worker after the rendezvous
     check_known_keys(cfg)  # +train.max_step=20 would train 200 steps with a key nothing reads
     plan = make_plan(cfg)
     check_optimizer(cfg.optimizer)  # optimizer.weight_decay=abc failed every rank, naming no key

@@ -141,12 +141,17 @@ def _argparse_hint(message: str) -> str:
 
 
 def _group_hint(message: str) -> str:
-    """What Hydra says without naming the fix: a list option that does not exist (logger=[mlfow]), or a key
-    of a logger that is not on (logger.mlflow.artifacts=true without mlflow in logger=[...])."""
+    """What Hydra says without naming the fix: a list option that does not exist (logger=[mlfow]), an experiment
+    without its package line, or a key of a logger that is not on (logger.mlflow.artifacts=true without mlflow in
+    logger=[...])."""
     missing = re.search(r"Could not load '(\w+)/([^']+)'", message)
     if missing:
         options = sorted(p.stem for p in (CONF_DIR / missing.group(1)).glob("*.yaml"))
         return f"{missing.group(1)}={missing.group(2)} is not an option of {missing.group(1)}/: {', '.join(options)}"
+    unpackaged = re.search(r"In '(exp/[^']+)': Could not override '\w+@exp\.", message)
+    if unpackaged:  # the experiment's keys went under exp., its defaults' overrides found nothing there
+        return (f"{message}; an experiment sets keys of the whole config: make `# @package _global_` the first "
+                f"line of {unpackaged.group(1)}.yaml")
     if "Unexpected type for root: NoneType" in message:
         picked = next((a.split("=", 1)[1] for a in sys.argv[1:] if a.startswith("logger=")), "[tensorboard]")
         for arg in sys.argv[1:]:

@@ -153,12 +153,15 @@ def target_parameters(target: str) -> set[str] | None:
         return {p.name for p in parameters if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
     try:
         spec = importlib.util.find_spec(module_name)
-    except (ImportError, ValueError):
+    except Exception:  # noqa: BLE001 - no such module, or a package that raises on import: the workers say it
         return None
     if spec is None or not spec.origin or not spec.origin.endswith(".py"):
         return None
-    with open(spec.origin, encoding="utf-8") as source:
-        tree = ast.parse(source.read(), spec.origin)
+    try:
+        with open(spec.origin, encoding="utf-8") as source:
+            tree = ast.parse(source.read(), spec.origin)
+    except (OSError, SyntaxError, ValueError):  # (launcher/launch/target_check.py names a module that does not parse)
+        return None
     for node in tree.body:
         if isinstance(node, ast.ClassDef) and node.name == name:
             init = next((n for n in node.body if isinstance(n, ast.FunctionDef) and n.name == "__init__"), None)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import signal
 import sys
@@ -92,6 +93,16 @@ def last_line(message: str) -> str:
     indented `full_key: ...` and `object_type=dict` lines, which alone say nothing)."""
     lines = [line for line in message.strip().splitlines() if line.strip()] or [message]
     return next((line for line in reversed(lines) if not line[:1].isspace()), lines[-1]).strip()
+
+
+def failure_reason(message: str) -> str:
+    """The line a rank's error is told by, with the launcher's key where torch names only its own argument."""
+    if "find_unused_parameters=True" in message:  # DDP's, at the next step's forward (or sync)
+        unused = re.search(r"Parameter indices which did not receive grad for rank \d+: [\d ]+", message)
+        return (f"the model has parameters that no loss used in the last step (DDP: "
+                f"{unused.group(0).strip() if unused else 'reduction not finished'}); set "
+                f"dist.find_unused_parameters=true (slower: DDP searches the graph every step), or leave them out")
+    return last_line(message)
 
 
 def rendezvous_endpoint(rendezvous: list[str]) -> str:
@@ -199,7 +210,7 @@ def run_agent(config_path: Path, plan: Plan, launcher: DictConfig, rendezvous: l
             if isinstance(message, dict):
                 stack = (message.get("extraInfo") or {}).get("py_callstack", "")
                 message = message.get("message", "")
-            reason = last_line(str(message)) if message else f"exit code {failure.exitcode}"
+            reason = failure_reason(str(message)) if message else f"exit code {failure.exitcode}"
             hung = hang_summary(run_dir)
             line = f"error: rank {rank} failed: {reason} (run dir {run_dir}){'; ' + hung if hung else ''}"
             print(line, file=sys.stderr)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import random
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Iterator
 
@@ -137,6 +138,17 @@ def seed_all(seed: int) -> None:
     """This process's torch (CUDA too) and Python random streams from `seed`."""
     random.seed(seed)
     torch.manual_seed(seed)  # also seeds CUDA
+
+
+@contextmanager
+def random_streams_kept(device: torch.device) -> Iterator[None]:
+    """What runs inside draws from no stream of this process's (torch's, the device's, Python's, numpy's): the
+    job's parts tried before the first step leave the run's randomness as it would be without them."""
+    python, numpy = random.getstate(), np.random.get_state()
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        yield
+    random.setstate(python)
+    np.random.set_state(numpy)
 
 
 def seed_worker_for(seed: int) -> None:

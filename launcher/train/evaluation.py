@@ -4,18 +4,65 @@ Exercised by: `python -m launcher +exp=toy` (its eval at the end), tests/test_di
 """
 from __future__ import annotations
 
+import numbers
+from collections.abc import Mapping
 from contextlib import nullcontext
 from typing import TYPE_CHECKING
 
 import torch
 
+from launcher.derived import ConfigError
 from launcher.task import to_device
 from launcher.train import sharding
-from launcher.train.data import eval_batches
+from launcher.train.data import eval_batches, random_streams_kept
 from launcher.train.dist import all_reduce_sum
 
 if TYPE_CHECKING:
     from launcher.train.run import Run
+
+
+@torch.no_grad()
+def probe_eval(run: Run, target: str) -> None:
+    """The job's eval parts on its first two eval samples, before the first step (every rank, one forward each): a
+    sum missing from what eval_sums returns, or metrics that are not numbers, failed only at the first eval, and
+    with train.eval_every=0 after the last step, before its checkpoint: the whole run lost. ConfigError names the
+    part. The random streams are left as they were (a job's collate may draw from them)."""
+    task, job = run.task, f"data._target_={target}"
+    samples = [task.eval_set[i] for i in range(min(2, len(task.eval_set)))]
+    module = run.module
+    module.eval()
+    with random_streams_kept(run.env.device), run.precision.autocast(), \
+            torch.compiler.set_stance("force_eager") if run.compile_watch.enabled else nullcontext():
+        sums = task.eval_sums(module, to_device(task.collate(samples), run.env.device))
+    module.train()
+    if not isinstance(sums, Mapping):
+        raise ConfigError(f"{job}: its eval_sums returned a {type(sums).__name__}; return a dict of sums named by "
+                          f"its eval_sum_keys ({', '.join(task.eval_sum_keys)})")
+    missing = [key for key in task.eval_sum_keys if key not in sums]
+    if missing:
+        raise ConfigError(f"{job}: its eval_sums returned no {', '.join(map(repr, missing))} (its eval_sum_keys: "
+                          f"{', '.join(task.eval_sum_keys)}; it returned {', '.join(map(str, sums)) or 'none'})")
+    for key in task.eval_sum_keys:
+        if isinstance(sums[key], torch.Tensor) and sums[key].numel() != 1 or not isinstance(sums[key], (
+                torch.Tensor, numbers.Real)):
+            raise ConfigError(f"{job}: its eval_sums' {key!r} is {_what(sums[key])}; each sum is one number (a "
+                              f"tensor of one value, or a Python number) that adds up across batches and ranks")
+    try:  # sums that are all 1, as Task says (launcher/train/best.py learns the metrics' names so)
+        metrics = task.eval_metrics({key: 1.0 for key in task.eval_sum_keys})
+    except Exception:  # noqa: BLE001 - metrics that need real sums (a count of 1 - 1): the eval tells
+        return
+    if not isinstance(metrics, Mapping):
+        raise ConfigError(f"{job}: its eval_metrics returned {_what(metrics)}; return a dict of metric names to "
+                          f"Python numbers")
+    for name, value in metrics.items():
+        if not isinstance(value, numbers.Real):
+            raise ConfigError(f"{job}: its eval_metrics' {name!r} is {_what(value)}; return Python numbers "
+                              f"(float(...) of a tensor)")
+
+
+def _what(value: object) -> str:
+    shape = f" of shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) else ""
+    return f"a {type(value).__name__}{shape}"
 
 
 @torch.no_grad()

@@ -8,12 +8,17 @@ it (rank 0 does, for a fault in the job's own code: `one_line` false). Exercised
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from typing import Any
 
 import hydra
+import torch
 from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 from omegaconf import DictConfig
+
+from launcher.derived import ConfigError
+from launcher.train.data import random_streams_kept
 
 # What the launcher uses of every task, and of one with an eval set (launcher/task.py's Task)
 TASK_PARTS = ("train_set", "eval_set", "collate", "count_items", "loss_sum")
@@ -62,3 +67,22 @@ def check_task(task: Any, target: str) -> None:
                              f"task has what launcher/task.py's Task lists (the eval parts only with an eval_set)")
         failure.one_line = True
         raise failure
+    job = f"data._target_={target}"
+    for name in ("train_set", "eval_set"):
+        samples = getattr(task, name)
+        if samples is not None and not (hasattr(samples, "__len__") and hasattr(samples, "__getitem__")):
+            raise ConfigError(f"{job}: its {name} is a {type(samples).__name__} without len() and indexing; give a "
+                              f"map-style dataset (a sample's id is its index; streaming datasets are not supported)")
+    if len(task.train_set) == 0:
+        raise ConfigError(f"{job}: its train_set is empty")
+    if task.eval_set is not None and len(task.eval_set) == 0:
+        raise ConfigError(f"{job}: its eval_set is empty; give eval_set = None for a job without an eval")
+    keys = getattr(task, "eval_sum_keys", None) if task.eval_set is not None else ()
+    if isinstance(keys, str) or not isinstance(keys, (tuple, list)) or not all(isinstance(k, str) for k in keys):
+        raise ConfigError(f"{job}: its eval_sum_keys is {keys!r}; give a tuple of the names of the sums eval_sums "
+                          f"returns")
+    with random_streams_kept(torch.device("cpu")):  # (a job's collate may draw: the run's streams stay as they were)
+        batch = task.collate([task.train_set[i] for i in range(min(2, len(task.train_set)))])
+    if not isinstance(batch, Mapping):  # (the data loader's collate_fn, on the CPU: no model, no device yet)
+        raise ConfigError(f"{job}: its collate returned a {type(batch).__name__}; return a dict of CPU tensors "
+                          f"(its loss_sum reads them by name)")

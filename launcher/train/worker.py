@@ -37,6 +37,7 @@ from launcher.train.compile_cache import CompileCache
 from launcher.train.compiled import (CompileWatch, cannot_compile, compile_blocks, compile_module,
                                      failures_in_one_line)
 from launcher.train.data import DataPlan, seed_all
+from launcher.train.evaluation import probe_eval
 from launcher.train.job import build_part, check_task
 from launcher.train.loop import train
 from launcher.train.metrics import RunLog
@@ -213,6 +214,8 @@ def build_and_train(cfg: DictConfig, path: Path, env: launcher_dist.DistEnv, sto
                            f"{' or '.join(map(str, worlds))}; relaunch with python -m launcher")
     config = same_config_on_every_rank(cfg, env)  # before build: precision=auto, compile=auto and DDP enter collectives
     run = build(cfg, path.parent, env)
+    if run.task.eval_set is not None:  # every rank: a mistake in the job's eval parts is told now, not after training
+        probe_eval(run, cfg.data._target_)
     state = None
     if cfg.resume.mode != "never":
         if checkpoint.complete_steps(path.parent):

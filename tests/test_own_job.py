@@ -1,0 +1,205 @@
+"""A job in a repo of one's own (README's "Adding a job": a package on PYTHONPATH, configs added with -cd), and the
+mistakes a new user makes writing one: each is one line naming the part, before a step is trained. The targets are
+checked in the parent (launcher/launch/target_check.py), the task's parts in the workers before the first step
+(launcher/train/job.py's check_task, launcher/train/evaluation.py's probe_eval)."""
+from __future__ import annotations
+
+import re
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, run_cli
+from launcher.derived import ConfigError
+from launcher.train.job import check_task
+
+pytestmark = pytest.mark.slow
+JOB = '''
+import torch
+from torch import nn
+
+
+class Blobs:
+    """Two Gaussian blobs to tell apart."""
+
+    eval_sum_keys = ("loss_sum", "correct", "count")
+
+    def __init__(self, n: int = 64, eval_n: int = 16, features: int = 4):
+        g = torch.Generator().manual_seed(0)
+        y = torch.arange(n + eval_n) % 2
+        x = torch.randn(n + eval_n, features, generator=g) + 2 * y[:, None]
+        samples = [{"x": x[i], "y": y[i]} for i in range(n + eval_n)]
+        self.train_set, self.eval_set = samples[:n], samples[n:]
+
+    def collate(self, samples):
+        return {"x": torch.stack([s["x"] for s in samples]), "y": torch.stack([s["y"] for s in samples])}
+
+    def count_items(self, batch):
+        return torch.tensor(len(batch["y"]))
+
+    def loss_sum(self, model, batch):
+        return nn.functional.cross_entropy(model(batch["x"]), batch["y"], reduction="sum")
+
+    def eval_sums(self, model, batch):
+        logits = model(batch["x"])
+        return {"loss_sum": nn.functional.cross_entropy(logits, batch["y"], reduction="sum"),
+                "correct": (logits.argmax(1) == batch["y"]).sum(), "count": self.count_items(batch)}
+
+    def eval_metrics(self, sums):
+        return {"loss": sums["loss_sum"] / sums["count"], "accuracy": sums["correct"] / sums["count"]}
+
+
+class WrongEvalKeys(Blobs):
+    eval_sum_keys = ("loss_sum", "correct", "n")
+
+
+class TupleCollate(Blobs):
+    def collate(self, samples):
+        return tuple(super().collate(samples).values())
+
+
+class TensorMetrics(Blobs):
+    def eval_metrics(self, sums):
+        return {"accuracy": torch.tensor(sums["correct"] / sums["count"])}
+
+
+class Streamed(Blobs):
+    def __init__(self):
+        super().__init__()
+        self.train_set = iter(self.train_set)
+
+
+def Net(features: int = 4, hidden: int = 8) -> nn.Module:
+    return nn.Sequential(nn.Linear(features, hidden), nn.Tanh(), nn.Linear(hidden, 2))
+
+
+class WithASpareHead(nn.Module):
+    """A second head that no loss uses (a model trained for one of its tasks)."""
+
+    def __init__(self, features: int = 4):
+        super().__init__()
+        self.body, self.spare = Net(features), nn.Linear(2, 3)
+
+    def forward(self, x):
+        return self.body(x)
+'''
+CONFIGS = {
+    "data/blobs.yaml": "_target_: myjob.cls.Blobs\nn: 64\n",
+    "model/net.yaml": "_target_: myjob.cls.Net\nfeatures: 4\n",
+    "model/untargeted.yaml": "features: 4\n",
+    "exp/myjob.yaml": textwrap.dedent("""\
+        # @package _global_
+        defaults:
+          - override /data: blobs
+          - override /model: net
+        name: myjob
+        train:
+          max_steps: 8
+          global_batch_size: 16
+          micro_batch_size: 4
+        """),
+}
+CONFIGS["exp/unpackaged.yaml"] = CONFIGS["exp/myjob.yaml"].split("\n", 1)[1]  # without its package line
+
+
+@pytest.fixture
+def own_repo(tmp_path: Path) -> Path:
+    """~/myjobs: the package myjob (myjob/cls.py, and myjob/broken.py that does not parse) and its conf/."""
+    repo = tmp_path / "myjobs"
+    (repo / "myjob").mkdir(parents=True)
+    (repo / "myjob" / "__init__.py").write_text("")
+    (repo / "myjob" / "cls.py").write_text(JOB)
+    (repo / "myjob" / "broken.py").write_text("class Blobs\n    pass\n")
+    for name, text in CONFIGS.items():
+        (repo / "conf" / name).parent.mkdir(parents=True, exist_ok=True)
+        (repo / "conf" / name).write_text(text)
+    return repo
+
+
+def launch(repo: Path, *overrides: str, path: bool = True):
+    """From the launcher's repo, as README's command runs it (with PYTHONPATH unless `path` is false)."""
+    env = {"PYTHONPATH": f"{repo}:{REPO}"} if path else {}
+    return run_cli("-cd", str(repo / "conf"), "+exp=myjob", *overrides, f"hydra.run.dir={repo / 'run'}", cwd=REPO,
+                   **env)
+
+
+def test_a_job_of_one_s_own_trains_from_its_own_repo(own_repo: Path) -> None:
+    out = launch(own_repo)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert (own_repo / "run" / "checkpoints" / "8" / "COMPLETE").is_file()
+
+
+@pytest.mark.parametrize("overrides, path, line", [
+    ((), False, "error: data._target_=myjob.cls.Blobs: no module named 'myjob' on this Python's path (a job of your "
+                "own: PYTHONPATH=<the dir that holds myjob/>, see README's 'Adding a job')"),
+    (("data._target_=myjob.cls.Blob",), True, "error: data._target_=myjob.cls.Blob: {repo}/myjob/cls.py defines no "
+                                              "Blob; did you mean Blobs?"),
+    (("data._target_=myjob.clss.Blobs",), True, "error: data._target_=myjob.clss.Blobs: no module named myjob.clss "
+                                                "(myjob is {repo}/myjob/)"),
+    (("data._target_=myjob.broken.Blobs",), True, "error: data._target_=myjob.broken.Blobs: {repo}/myjob/broken.py "
+                                                  "does not parse: expected ':' (line 1)"),
+    (("model=untargeted",), True, "error: model has no _target_ (the function or class that builds it, as "
+                                  "package.module.Name): add one to conf/model/<name>.yaml, or choose model=<name>"),
+], ids=["no PYTHONPATH", "a misspelt class", "a misspelt module", "a module that does not parse", "no _target_"])
+def test_a_target_that_names_nothing_is_refused_in_the_parent(own_repo: Path, overrides: tuple, path: bool,
+                                                              line: str) -> None:
+    """These failed each worker after the rendezvous (or the parent with Hydra's traceback, for a module that does
+    not parse), and passed a dry run; now exit 2 before any process starts, and no run dir."""
+    out = launch(own_repo, *overrides, path=path)
+    assert (out.returncode, out.stderr.strip()) == (2, line.format(repo=own_repo)), out.stderr[-3000:]
+    assert not (own_repo / "run").exists()
+
+
+def test_eval_parts_that_do_not_fit_fail_before_the_first_step(own_repo: Path) -> None:
+    """A sum that eval_sums does not return failed at the first eval (KeyError: 'n'), which with
+    train.eval_every=0 comes after the last step and before its checkpoint: the whole run was lost."""
+    out = launch(own_repo, "data._target_=myjob.cls.WrongEvalKeys")
+    assert out.returncode == 1
+    line = out.stderr.strip().splitlines()[-1]  # (either rank's: each finds it)
+    assert re.match(r"error: rank \d failed: ConfigError: data._target_=myjob.cls.WrongEvalKeys: its eval_sums "
+                    r"returned no 'n' \(its eval_sum_keys: loss_sum, correct, n; it returned loss_sum, correct, "
+                    r"count\)", line) and "Traceback" not in out.stderr, out.stderr[-3000:]
+    assert "step 1/" not in out.stdout and not (own_repo / "run" / "checkpoints").exists()
+
+
+@pytest.mark.parametrize("task, message", [
+    ("TupleCollate", "its collate returned a tuple; return a dict of CPU tensors (its loss_sum reads them by name)"),
+    ("Streamed", "its train_set is a list_iterator without len() and indexing; give a map-style dataset"),
+])
+def test_a_task_s_parts_are_checked_as_it_is_built(own_repo: Path, monkeypatch: pytest.MonkeyPatch, task: str,
+                                                   message: str) -> None:
+    monkeypatch.syspath_prepend(str(own_repo))
+    from myjob import cls
+
+    with pytest.raises(ConfigError) as error:
+        check_task(getattr(cls, task)(), f"myjob.cls.{task}")
+    assert str(error.value).startswith(f"data._target_=myjob.cls.{task}: {message}"), str(error.value)
+    check_task(cls.Blobs(), "myjob.cls.Blobs")
+
+
+def test_eval_metrics_that_are_tensors_fail_before_the_first_step(own_repo: Path) -> None:
+    out = launch(own_repo, "data._target_=myjob.cls.TensorMetrics", "launcher.nproc_per_node=1")
+    assert out.returncode == 1
+    assert out.stderr.strip().splitlines()[-1].startswith(
+        "error: rank 0 failed: ConfigError: data._target_=myjob.cls.TensorMetrics: its eval_metrics' 'accuracy' is a "
+        "Tensor of shape (); return Python numbers (float(...) of a tensor)"), out.stderr[-3000:]
+
+
+def test_an_experiment_without_its_package_line_is_told_the_fix(own_repo: Path) -> None:
+    out = run_cli("-cd", str(own_repo / "conf"), "+exp=unpackaged", cwd=REPO, PYTHONPATH=f"{own_repo}:{REPO}")
+    assert (out.returncode, out.stderr.strip()) == (2, (
+        "error: In 'exp/unpackaged': Could not override 'data@exp.data'; Did you mean to override data?; an experiment "
+        "sets keys of the whole config: make `# @package _global_` the first line of exp/unpackaged.yaml"))
+
+
+def test_parameters_no_loss_uses_are_told_by_the_key_that_allows_them(own_repo: Path) -> None:
+    """DDP's error names its own argument (find_unused_parameters=True) and the parameters' indices."""
+    out = launch(own_repo, "model._target_=myjob.cls.WithASpareHead")
+    assert out.returncode == 1
+    line = out.stderr.strip().splitlines()[-1]
+    assert re.match(r"error: rank \d failed: the model has parameters that no loss used in the last step \(DDP: "
+                    r"Parameter indices which did not receive grad for rank \d: 4 5\); set "
+                    r"dist.find_unused_parameters=true", line), out.stderr[-3000:]
+    fixed = launch(own_repo, "model._target_=myjob.cls.WithASpareHead", "dist.find_unused_parameters=true")
+    assert fixed.returncode == 0, fixed.stderr[-3000:]  # (the same run dir: the failed start left no checkpoint)
