@@ -101,6 +101,11 @@ CONFIGS = {
         """),
 }
 CONFIGS["exp/unpackaged.yaml"] = CONFIGS["exp/myjob.yaml"].split("\n", 1)[1]  # without its package line
+CONFIGS["exp/inline.yaml"] = CONFIGS["exp/myjob.yaml"].replace("  - override /model: net\n", "") + textwrap.dedent("""\
+    model:
+      _target_: myjob.cls.Net
+      features: 4
+    """)  # its model written in place: Hydra merges it over the default model=mlp
 
 
 @pytest.fixture
@@ -203,3 +208,13 @@ def test_parameters_no_loss_uses_are_told_by_the_key_that_allows_them(own_repo: 
                     r"dist.find_unused_parameters=true", line), out.stderr[-3000:]
     fixed = launch(own_repo, "model._target_=myjob.cls.WithASpareHead", "dist.find_unused_parameters=true")
     assert fixed.returncode == 0, fixed.stderr[-3000:]  # (the same run dir: the failed start left no checkpoint)
+
+
+def test_a_model_written_in_place_over_the_default_is_told_where_its_extra_keys_come_from(own_repo: Path) -> None:
+    """It was `model.out_features is a key nothing reads ... did you mean data.out_features?`: keys the user never
+    wrote, from model=mlp underneath."""
+    out = run_cli("-cd", str(own_repo / "conf"), "+exp=inline", cwd=REPO, PYTHONPATH=f"{own_repo}:{REPO}")
+    assert (out.returncode, out.stderr.strip()) == (2, (
+        "error: model.in_features comes from model=mlp (conf/model/mlp.yaml), the option under the model._target_ your "
+        "config sets (myjob.cls.Net takes no in_features): write yours as a model option of its own and choose it "
+        "(model=<name>, or `- override /model: <name>` in an experiment's defaults)"))

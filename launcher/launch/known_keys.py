@@ -40,8 +40,27 @@ def check_known_keys(cfg: DictConfig) -> None:
         if isinstance(node, DictConfig) and isinstance(node.get("_target_"), str):
             taken = target_parameters(node._target_)
             if taken is not None:
+                _refuse_a_default_underneath(group, node, taken)
                 _refuse_unknown(cfg, group, [str(k) for k in node if k not in HYDRA_KEYS],
                                 taken - GIVEN_BY_THE_WORKER, f"{node._target_} takes")
+
+
+def _refuse_a_default_underneath(group: str, node: DictConfig, taken: set[str]) -> None:
+    """An experiment that writes its own model (or data) in place, without choosing it: Hydra merges it over the
+    group's default option, whose keys its target does not take (model.hidden of model=mlp under torch.nn.Linear)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    choice = HydraConfig.get().runtime.choices.get(group) if HydraConfig.initialized() else None
+    default = _raw(OmegaConf.load(CONF_DIR / group / f"{choice}.yaml")) if (
+        choice and (CONF_DIR / group / f"{choice}.yaml").is_file()) else {}
+    if default.get("_target_") in (None, node._target_):
+        return
+    leftover = [str(key) for key in node if key not in HYDRA_KEYS and key not in taken and key in default]
+    if leftover:
+        raise ConfigError(f"{group}.{leftover[0]} comes from {group}={choice} (conf/{group}/{choice}.yaml), the option "
+                          f"under the {group}._target_ your config sets ({node._target_} takes no {leftover[0]}): "
+                          f"write yours as a {group} option of its own and choose it ({group}=<name>, or "
+                          f"`- override /{group}: <name>` in an experiment's defaults)")
 
 
 def _check_dataclass(cfg: DictConfig, node: DictConfig, cls: type, prefix: str) -> None:
