@@ -62,8 +62,9 @@ def takes_fused(optimizer: Any, strategy: str) -> bool:
     5-7x faster than torch's default there, the per-tensor loop (bench/optimizer_step.py), so CPU runs take the path
     that GPU runs take. Not SGD under strategy=fsdp: torch's sharded tensors (DTensor) have no rule for its fused
     kernel (aten._fused_sgd_, torch 2.13), so it takes torch's default (foreach on GPUs)."""
-    name = str(optimizer["_target_"]).rsplit(".", 1)[-1]
-    return not {"fused", "foreach"} & set(optimizer) and name in FUSED_BY_DEFAULT[strategy]
+    module, _, name = str(optimizer["_target_"]).rpartition(".")  # (another library's AdamW takes no fused)
+    return module.startswith("torch.optim") and not {"fused", "foreach"} & set(optimizer) and \
+        name in FUSED_BY_DEFAULT[strategy]
 
 
 def unfused_step_note(optimizer: Any, strategy: str) -> str | None:

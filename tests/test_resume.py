@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from hydra.utils import instantiate
+from omegaconf import OmegaConf
 
 from conftest import read_metrics, run_cli
 from helpers import (COMMON, DROPOUT, FP16, SLOW, STEPS, bitwise_equal, finish, logged_step, preempt, sample_stream, start,
@@ -197,6 +199,15 @@ def test_batch_norm_statistics_are_rank_0_s_at_evals_and_checkpoints_so_a_resume
     evals = {m["step"]: m["eval"] for m in read_metrics(run_dir) if "eval" in m}
     final = weights(run_dir, 8)
     assert any(name.endswith("running_mean") for name in final)
+    # the final eval is of the model the final checkpoint holds (rank 0's statistics), evaluated here in one process
+    config = OmegaConf.load(run_dir / "config.yaml")
+    task, model = instantiate(config.data), instantiate(config.model)
+    model.load_state_dict(final)
+    model.eval()
+    with torch.no_grad():
+        sums = [task.eval_sums(model, task.collate(task.eval_set[i:i + 4])) for i in range(0, len(task.eval_set), 4)]
+    metrics = task.eval_metrics({key: sum(float(s[key]) for s in sums) for key in task.eval_sum_keys})
+    assert metrics == pytest.approx(evals[8], rel=1e-12), (metrics, evals[8])
     for name in ("checkpoints/8", "summary.json"):  # as if it had stopped after step 4's checkpoint
         path = run_dir / name
         subprocess.run(["rm", "-r", str(path)], check=True)

@@ -40,8 +40,8 @@ def test_a_preemption_whose_checkpoint_never_came_still_exits_with_the_requeue_c
     proc.send_signal(signal.SIGTERM)
     out = finish(proc, REQUEUE_EXIT_CODE)
     assert (f"preempted by SIGTERM before the workers saved a checkpoint (they were starting, were stopped again, "
-            f"failed, or took longer than launcher.shutdown_timeout_s; their log above says which); relaunch with "
-            f"hydra.run.dir={run_dir} to resume from step 1 (exit code 75)") in out
+            f"failed, or took longer than launcher.shutdown_timeout_s; their log above says which); relaunch the "
+            f"same command with hydra.run.dir={run_dir} to resume from step 1 (exit code 75)") in out
     assert json.loads((run_dir / "preempted.json").read_text()) == {"step": 1, "signal": 15, "saved": False,
                                                                     "started": True}
     resumed = finish(start(run_dir, "data.sleep_s=0", "train.ckpt_every=1", "train.max_steps=3",
@@ -113,7 +113,7 @@ def test_a_preemption_before_the_workers_start_exits_with_the_requeue_code(tmp_p
     proc = start(run_dir, "logger=[tensorboard,mlflow]",
                  env=subprocess_env(TERM_ONCE_KEPT="1", PYTHONPATH=f"{shim}:{REPO}"))
     out = finish(proc, REQUEUE_EXIT_CODE)
-    assert (f"preempted by SIGTERM before the workers started; relaunch with hydra.run.dir={run_dir} to start over "
+    assert (f"preempted by SIGTERM before the workers started; relaunch the same command with hydra.run.dir={run_dir} to start over "
             f"(exit code 75)") in out
     assert json.loads((run_dir / "preempted.json").read_text()) == {"step": 0, "signal": 15, "saved": False,
                                                                     "started": False}

@@ -23,6 +23,7 @@ from launcher.rundir import LAUNCH_FILE, write_atomically
 
 CODE = Path(__file__).resolve().parents[2]  # the checkout that holds launcher/ and jobs/
 ENV_PREFIXES = ("NCCL_", "TORCH_", "CUDA_", "PYTORCH_", "SLURM_")
+ENV_NAMES = ("PYTHONPATH",)  # where a job of one's own was imported from (its repo's git state is not recorded)
 MAX_DIFF_BYTES = 1 << 20
 
 
@@ -64,7 +65,7 @@ def environment_record(run_dir: Path) -> dict[str, Any]:
         "nccl": _nccl() if gpus else None,
         "gpus": gpus, "driver": driver_version() if gpus else None,
         "env": {name: redact(name, value) for name, value in sorted(os.environ.items())
-                if name.startswith(ENV_PREFIXES)},
+                if name.startswith(ENV_PREFIXES) or name in ENV_NAMES},
         "packages": dict(sorted((dist.metadata["Name"] or "?", dist.version)
                                 for dist in importlib.metadata.distributions())),
     }

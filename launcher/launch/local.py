@@ -97,7 +97,7 @@ def last_line(message: str) -> str:
 
 def failure_reason(message: str) -> str:
     """The line a rank's error is told by, with the launcher's key where torch names only its own argument."""
-    if "find_unused_parameters=True" in message:  # DDP's, at the next step's forward (or sync)
+    if "You can enable unused parameter detection" in message:  # DDP's, at the next step's forward (not when it is on)
         unused = re.search(r"Parameter indices which did not receive grad for rank \d+: [\d ]+", message)
         return (f"the model has parameters that no loss used in the last step (DDP: "
                 f"{unused.group(0).strip() if unused else 'reduction not finished'}); set "

@@ -27,7 +27,9 @@ def check_optimizer(optimizer: DictConfig) -> None:
     """Raise ConfigError naming the optimizer key whose value the optimizer does not take."""
     target = str(optimizer.get("_target_"))
     module_name, _, name = target.rpartition(".")
-    build = getattr(sys.modules.get(module_name), name, None)  # torch's (imported): a job's own is the workers'
+    # torch's (imported already); a job's own is the workers' to build (its package may be imported by now:
+    # launcher/launch/target_check.py)
+    build = getattr(sys.modules.get(module_name), name, None) if module_name.startswith("torch.") else None
     if not isinstance(build, type) or not issubclass(build, torch.optim.Optimizer):
         return
     values = {str(k): v for k, v in OmegaConf.to_container(optimizer, resolve=True).items() if k not in HYDRA_KEYS}

@@ -81,7 +81,7 @@ def _dry_run(run_dir: Path) -> bool:
 
 def main(argv: list[str]) -> int:
     roots = argv or [d for d in DEFAULT_ROOTS if Path(d).is_dir()]  # none named: the launcher's default dirs here
-    if argv and argv[0].startswith("-"):
+    if any(arg.startswith("-") for arg in argv):
         print(USAGE, file=sys.stderr)
         return 2
     for root in argv:
@@ -89,7 +89,11 @@ def main(argv: list[str]) -> int:
             print(f"error: {root} is not a directory; name a run dir or a sweep dir (the launcher prints it)",
                   file=sys.stderr)
             return 2
-    jobs = {run_dir: recorded_job(run_dir) for root in roots for run_dir in run_dirs(Path(root))}
+    found: dict[Path, Path] = {}
+    for root in roots:  # each run once, named as first given
+        for run_dir in run_dirs(Path(root)):
+            found.setdefault(run_dir.resolve(), run_dir)
+    jobs = {run_dir: recorded_job(run_dir) for run_dir in found.values()}
     slurm = slurm_states([job for job in jobs.values() if job])  # one query for a whole sweep
     rows = [describe(run_dir, job, slurm) for run_dir, job in jobs.items()]
     if not rows:

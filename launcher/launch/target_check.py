@@ -19,11 +19,15 @@ from omegaconf import DictConfig
 from launcher.derived import ConfigError
 
 TARGET_GROUPS = ("data", "model", "optimizer")  # the job first: its builder names the rest
-DYNAMIC = ("globals()", "sys.modules[__name__]")  # a module that makes names without binding them (or __getattr__)
+# a module that makes names without binding them (or with a __getattr__ of its own): its source cannot tell
+DYNAMIC = ("globals()", "vars()", "locals()", "exec(", "sys.modules[__name__]")
 
 
 def check_targets(cfg: DictConfig) -> None:
-    """Raise ConfigError for the first group without a `_target_`, or whose `_target_` names nothing."""
+    """Raise ConfigError for the first group without a `_target_`, or whose `_target_` names nothing. Not for a Slurm
+    job with launcher.setup lines: they may give its nodes a path this Python has not."""
+    if cfg.launcher.name == "slurm" and cfg.launcher.get("setup"):
+        return
     for group in TARGET_GROUPS:
         node = cfg.get(group)
         if not isinstance(node, DictConfig):
@@ -63,20 +67,23 @@ def target_problem(target: str) -> str | None:
     while named < len(parts) - 1 and spec.submodule_search_locations is not None:  # a package: its next part?
         try:
             inner = importlib.util.find_spec(".".join(parts[:named + 1]))  # (runs the package's __init__)
-        except ModuleNotFoundError:
-            inner = None
-        except Exception:  # noqa: BLE001 - a package that raises on import: the workers say it
-            return None
+        except Exception:  # noqa: BLE001 - a package that raises on import (a package it needs is missing): the
+            return None  # workers say it
         if inner is None:
             break  # a name the package's __init__ defines
         spec, named = inner, named + 1
     if not spec.origin or not spec.origin.endswith(".py"):
         return None
-    source = Path(spec.origin).read_text(encoding="utf-8", errors="replace")
+    raw = Path(spec.origin).read_bytes()
     try:
-        tree = ast.parse(source, spec.origin)
+        tree = ast.parse(raw, spec.origin)  # (bytes: Python's own reading of a BOM or a coding line)
     except SyntaxError as error:
         return f"{spec.origin} does not parse: {error.msg} (line {error.lineno})"
+    except ValueError:  # (a NUL byte)
+        return None
+    source = raw.decode("utf-8", errors="replace")
+    if any(isinstance(node, ast.Global) for node in ast.walk(tree)):  # a function may bind module names
+        return None
     if any(dynamic in source for dynamic in DYNAMIC):
         return None
     names = bound_names(tree.body)
@@ -84,11 +91,18 @@ def target_problem(target: str) -> str | None:
         return None
     where = ".".join(parts[:named])
     if spec.submodule_search_locations is not None:  # a package, and no module of it is named so
-        if named == len(parts) - 1 and importlib.util.find_spec(target) is not None:
+        if named == len(parts) - 1 and _is_module(target):
             return f"names a module: name what it defines ({target}.<Name>)"
         if named < len(parts) - 1:
             return f"no module named {where}.{parts[named]} ({where} is {Path(spec.origin).parent}/)"
     return _no_name(parts[named], names, spec.origin)
+
+
+def _is_module(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except Exception:  # noqa: BLE001 - its package raises on import: the workers say it
+        return False
 
 
 def _no_name(name: str, names: object, where: str) -> str:
@@ -112,6 +126,11 @@ def bound_names(body: list[ast.stmt]) -> set[str] | None:
                        [item.optional_vars for item in node.items if item.optional_vars] if isinstance(
                            node, (ast.With, ast.AsyncWith)) else [node.target])
             names.update(n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name))
+        if isinstance(node, ast.Match):
+            more = bound_names([stmt for case in node.cases for stmt in case.body])
+            if more is None:
+                return None
+            names |= more
         for field in ("body", "orelse", "finalbody", "handlers"):  # nested blocks of if/try/with/for/while
             inner = getattr(node, field, None)
             if isinstance(inner, list) and not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):

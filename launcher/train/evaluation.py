@@ -28,11 +28,11 @@ def probe_eval(run: Run, target: str) -> None:
     with train.eval_every=0 after the last step, before its checkpoint: the whole run lost. ConfigError names the
     part. The random streams are left as they were (a job's collate may draw from them)."""
     task, job = run.task, f"data._target_={target}"
-    samples = [task.eval_set[i] for i in range(min(2, len(task.eval_set)))]
     module = run.module
     module.eval()
     with random_streams_kept(run.env.device), run.precision.autocast(), \
             torch.compiler.set_stance("force_eager") if run.compile_watch.enabled else nullcontext():
+        samples = [task.eval_set[i] for i in range(min(2, len(task.eval_set)))]  # (a dataset may draw as it reads)
         sums = task.eval_sums(module, to_device(task.collate(samples), run.env.device))
     module.train()
     if not isinstance(sums, Mapping):
@@ -55,7 +55,7 @@ def probe_eval(run: Run, target: str) -> None:
         raise ConfigError(f"{job}: its eval_metrics returned {_what(metrics)}; return a dict of metric names to "
                           f"Python numbers")
     for name, value in metrics.items():
-        if not isinstance(value, numbers.Real):
+        if not isinstance(value, (int, float)):  # what metrics.jsonl can hold (numpy's float32 not)
             raise ConfigError(f"{job}: its eval_metrics' {name!r} is {_what(value)}; return Python numbers "
                               f"(float(...) of a tensor)")
 

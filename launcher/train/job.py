@@ -8,7 +8,7 @@ it (rank 0 does, for a fault in the job's own code: `one_line` false). Exercised
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import hydra
@@ -78,7 +78,7 @@ def check_task(task: Any, target: str) -> None:
     if task.eval_set is not None and len(task.eval_set) == 0:
         raise ConfigError(f"{job}: its eval_set is empty; give eval_set = None for a job without an eval")
     keys = getattr(task, "eval_sum_keys", None) if task.eval_set is not None else ()
-    if isinstance(keys, str) or not isinstance(keys, (tuple, list)) or not all(isinstance(k, str) for k in keys):
+    if isinstance(keys, str) or not isinstance(keys, Sequence) or not all(isinstance(k, str) for k in keys):
         raise ConfigError(f"{job}: its eval_sum_keys is {keys!r}; give a tuple of the names of the sums eval_sums "
                           f"returns")
     with random_streams_kept(torch.device("cpu")):  # (a job's collate may draw: the run's streams stay as they were)

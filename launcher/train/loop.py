@@ -160,6 +160,7 @@ def train(run: Run, progress: Progress, stop: StopFlag, final_eval: dict[str, fl
         summary["eval"] = final_eval
     else:
         run.watchdog.at("final eval", progress.step)
+        same_buffers(run.module)  # (every rank: ended_before comes from the checkpoint all ranks read)
         summary["eval"] = evaluate(run)
         if summary["eval"]:
             run.log.metrics({"step": progress.step, "eval": summary["eval"]}, run.max_steps)
