@@ -110,8 +110,14 @@ def same_buffers(module: torch.nn.Module) -> None:
     """Rank 0's buffers on every rank. DDP's broadcast of them before each forward is off (ranks may run different
     numbers of micro-batches), so buffers that a forward updates from its batch (BatchNorm's running statistics)
     follow each rank's own batches; the eval and the checkpoint take rank 0's, as under DDP's broadcast, so that all
-    ranks evaluate one model and a resumed run goes on as the uninterrupted one. One broadcast; every rank enters."""
-    buffers = sorted(module.buffers(), key=lambda b: -b.element_size())  # each one's bytes start aligned for it
+    ranks evaluate one model and a resumed run goes on as the uninterrupted one. One broadcast; every rank enters.
+    The buffers a checkpoint holds (not the non-persistent ones a module builds for itself: position ids, caches),
+    on the parameters' device, each its own memory (not an expanded view)."""
+    device = next(module.parameters()).device  # (a model trains parameters: it has one)
+    kept = {id(b): b for m in module.modules() for name, b in m._buffers.items()
+            if b is not None and name not in getattr(m, "_non_persistent_buffers_set", ()) and b.device == device
+            and not any(stride == 0 and size > 1 for stride, size in zip(b.stride(), b.shape))}
+    buffers = sorted(kept.values(), key=lambda b: -b.element_size())  # each one's bytes start aligned for it
     if not buffers or dist.get_world_size() == 1:
         return
     flat = torch.cat([b.detach().reshape(-1).view(torch.uint8) for b in buffers])
