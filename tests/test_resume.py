@@ -182,7 +182,7 @@ def test_consecutive_non_finite_steps_stop_the_run(tmp_path: Path) -> None:
     assert out.returncode == 1
     # every rank stops at the same agreed step; whichever the agent reports first names the key
     assert re.search(r"error: rank \d failed: RuntimeError: 3 consecutive steps had non-finite gradients "
-                     r"\(train\.max_bad_steps=3\)", out.stderr), out.stderr[-2000:]
+                     r"\(train\.max_bad_steps=3\); no checkpoint was written before them", out.stderr), out.stderr[-2000:]
     assert [m["skipped_steps"] for m in read_metrics(tmp_path / "nan")] == [1, 2]
 
 
