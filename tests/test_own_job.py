@@ -55,6 +55,11 @@ class WrongEvalKeys(Blobs):
     eval_sum_keys = ("loss_sum", "correct", "n")
 
 
+class ExtraSums(Blobs):
+    def eval_sums(self, model, batch):
+        return {**super().eval_sums(model, batch), "margin": torch.tensor(0.5)}
+
+
 class TupleCollate(Blobs):
     def collate(self, samples):
         return tuple(super().collate(samples).values())
@@ -131,8 +136,11 @@ def launch(repo: Path, *overrides: str, path: bool = True):
 
 
 def test_a_job_of_one_s_own_trains_from_its_own_repo(own_repo: Path) -> None:
-    out = launch(own_repo)
+    """(Its eval_sums returns a sum its eval_sum_keys do not name: said once, as it is neither added up nor logged.)"""
+    out = launch(own_repo, "data._target_=myjob.cls.ExtraSums")
     assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stderr.count("warning: data._target_=myjob.cls.ExtraSums: its eval_sums returned margin, which its "
+                            "eval_sum_keys do not name: not added up, not reported") == 1, out.stderr
     assert (own_repo / "run" / "checkpoints" / "8" / "COMPLETE").is_file()
     record = json.loads((own_repo / "run" / "launch.json").read_text())  # what the same command needs again
     assert record["env"]["PYTHONPATH"] == f"{own_repo}:{REPO}" and "-cd" in record["command"], record

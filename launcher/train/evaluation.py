@@ -42,6 +42,10 @@ def probe_eval(run: Run, target: str) -> None:
     if missing:
         raise ConfigError(f"{job}: its eval_sums returned no {', '.join(map(repr, missing))} (its eval_sum_keys: "
                           f"{', '.join(task.eval_sum_keys)}; it returned {', '.join(map(str, sums)) or 'none'})")
+    extra = [str(key) for key in sums if key not in task.eval_sum_keys]
+    if extra:  # (a job's diagnostics, or a sum it forgot to name)
+        run.log.warn(f"warning: {job}: its eval_sums returned {', '.join(extra)}, which its eval_sum_keys do not "
+                     f"name: not added up, not reported")
     for key in task.eval_sum_keys:
         if isinstance(sums[key], torch.Tensor) and sums[key].numel() != 1 or not isinstance(sums[key], (
                 torch.Tensor, numbers.Real)):
