@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from launcher.rundir import complete_steps
 from launcher.train.sync_check import host_side
 
 
@@ -78,7 +79,7 @@ class StepLedger:
             self.progress.bad_in_a_row = 0
             self.scheduler.step()
         if self.progress.bad_in_a_row >= self.max_bad_steps:  # the flags are agreed: every rank stops here
-            kept = (f"the last complete checkpoint is kept in {self.checkpoints}" if any(
-                self.checkpoints.glob("*/COMPLETE")) else "no checkpoint was written before them")
+            kept = (f"the last complete checkpoint is kept in {self.checkpoints}" if complete_steps(
+                self.checkpoints.parent) else "no checkpoint was written before them")
             raise RuntimeError(f"{self.progress.bad_in_a_row} consecutive steps had non-finite gradients "
                                f"(train.max_bad_steps={self.max_bad_steps}); {kept}")
