@@ -24,6 +24,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from launcher import schema
 from launcher.derived import ConfigError
+from launcher.launch.target_check import module_source
 
 CONF_DIR = Path(__file__).resolve().parents[2] / "conf"  # the repo's config groups, one folder each
 TARGET_GROUPS = ("model", "data", "optimizer")
@@ -177,8 +178,7 @@ def target_parameters(target: str) -> set[str] | None:
     if spec is None or not spec.origin or not spec.origin.endswith(".py"):
         return None
     try:
-        with open(spec.origin, encoding="utf-8") as source:
-            tree = ast.parse(source.read(), spec.origin)
+        tree = module_source(spec.origin)[0]
     except (OSError, SyntaxError, ValueError):  # (launcher/launch/target_check.py names a module that does not parse)
         return None
     for node in tree.body:

@@ -12,6 +12,7 @@ import ast
 import difflib
 import importlib.util
 import sys
+from functools import lru_cache
 from pathlib import Path
 
 from omegaconf import DictConfig
@@ -74,14 +75,12 @@ def target_problem(target: str) -> str | None:
         spec, named = inner, named + 1
     if not spec.origin or not spec.origin.endswith(".py"):
         return None
-    raw = Path(spec.origin).read_bytes()
     try:
-        tree = ast.parse(raw, spec.origin)  # (bytes: Python's own reading of a BOM or a coding line)
+        tree, source = module_source(spec.origin)
     except SyntaxError as error:
         return f"{spec.origin} does not parse: {error.msg} (line {error.lineno})"
-    except ValueError:  # (a NUL byte)
+    except (OSError, ValueError):  # (unreadable, a NUL byte)
         return None
-    source = raw.decode("utf-8", errors="replace")
     if any(isinstance(node, ast.Global) for node in ast.walk(tree)):  # a function may bind module names
         return None
     if any(dynamic in source for dynamic in DYNAMIC):
@@ -96,6 +95,14 @@ def target_problem(target: str) -> str | None:
         if named < len(parts) - 1:
             return f"no module named {where}.{parts[named]} ({where} is {Path(spec.origin).parent}/)"
     return _no_name(parts[named], names, spec.origin)
+
+
+@lru_cache(maxsize=None)
+def module_source(origin: str) -> tuple[ast.Module, str]:
+    """A module's file parsed as Python reads it (from bytes: a BOM, a coding line), and its text; read once per
+    launch (launcher/launch/known_keys.py reads the same target's signature from it)."""
+    raw = Path(origin).read_bytes()
+    return ast.parse(raw, origin), raw.decode("utf-8", errors="replace")
 
 
 def _is_module(name: str) -> bool:
