@@ -4,7 +4,7 @@ Checked in the parent, before any process starts, from the module's source where
 module may import transformers: seconds): a job of one's own without PYTHONPATH, a misspelt class or a module that
 does not parse failed each worker after the rendezvous, and passed a dry run. What the source cannot tell (a name
 made at run time, a package that raises on import) is left to the workers, which say it in one line.
-Exercised by: tests/test_bad_input.py (a job of one's own, its mistakes).
+Exercised by: tests/test_own_job.py (a job of one's own, its mistakes).
 """
 from __future__ import annotations
 
