@@ -10,17 +10,21 @@ import time
 from launcher.closed_output import output_may_close
 from launcher.interrupted import quiet_ctrl_c
 from launcher.preempt import keep_early_signals
+from launcher.startup_gc import imports_begin, imports_done
 
 keep_early_signals()  # first, before the imports of seconds below
 quiet_ctrl_c("stopped by SIGINT before any worker started")  # (while those imports run: no traceback of them)
 output_may_close()  # (before Hydra's logging keeps sys.stdout): a closed pipe ends no launch
 os.environ["LAUNCHER_LAUNCH_TIME"] = str(time.time())  # the workers' start-up phases count from here (train/phases.py)
+imports_begin()
 from launcher.launch.cli import flags_first, main  # noqa: E402
 from launcher.launch.errors import hydra_errors_in_one_line  # noqa: E402
 from launcher.launch.slurm_submit import discard_queued, submit_queued  # noqa: E402
 from launcher.launch.sweep_dir import discard_new_sweep_dir  # noqa: E402
 from launcher.launch.tracker_start import end_sweeps  # noqa: E402
 from launcher.process_exit import exit_without_teardown  # noqa: E402
+
+imports_done()
 
 sys.argv[1:] = flags_first(sys.argv[1:])  # before Hydra's parser, and what reads the overrides after it
 failed = True

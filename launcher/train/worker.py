@@ -13,9 +13,11 @@ from pathlib import Path
 from typing import Any
 
 from launcher.interrupted import quiet_ctrl_c
+from launcher.startup_gc import imports_begin, imports_done
 
 if __name__ == "__main__":  # a rank (not a script that imports it): before torch's import, which takes seconds
     quiet_ctrl_c(None)  # Ctrl-C there is the launcher's to tell, not a traceback
+    imports_begin()
 import torch  # noqa: E402 (and the imports below)
 import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
@@ -51,6 +53,8 @@ from launcher.train.schedule import build_scheduler
 from launcher.train.sync_check import SyncCheck
 from launcher.train.watchdog import Watchdog
 
+if __name__ == "__main__":
+    imports_done()
 
 COMM_HOOKS = {"fp16": default_hooks.fp16_compress_hook, "bf16": default_hooks.bf16_compress_hook}
 
