@@ -13,6 +13,7 @@ import platform
 from pathlib import Path
 from typing import Any
 
+CHECKPOINTS_DIR = "checkpoints"  # <run_dir>/checkpoints/<step>/: one checkpoint (step_dir)
 MARKER = "COMPLETE"  # in checkpoints/<step>/ once every file of the checkpoint is written
 LAUNCH_FILE = "launch.json"  # the parent writes it into every run dir before any worker starts
 # Keys of model/ and data/ that name a pretrained model: a hub id, a save_pretrained dir, or a run dir
@@ -33,9 +34,14 @@ def write_atomically(path: Path, data: str | bytes) -> None:
     os.replace(tmp, path)
 
 
+def step_dir(run_dir: Path, step: int) -> Path:
+    """The checkpoint of `step` (complete once it holds MARKER)."""
+    return run_dir / CHECKPOINTS_DIR / str(step)
+
+
 def complete_steps(run_dir: Path) -> list[int]:
     """Steps of the complete checkpoints in run_dir, oldest first."""
-    root = run_dir / "checkpoints"
+    root = run_dir / CHECKPOINTS_DIR
     if not root.is_dir():
         return []
     return sorted(int(p.name) for p in root.iterdir() if p.name.isdigit() and (p / MARKER).is_file())
@@ -65,7 +71,7 @@ def is_run_dir(path: object) -> bool:
 
 def newest_checkpoint(run_dir: Path) -> Path | None:
     steps = complete_steps(run_dir)
-    return run_dir / "checkpoints" / str(steps[-1]) if steps else None
+    return step_dir(run_dir, steps[-1]) if steps else None
 
 
 def pinned_pretrained(run_dir: Path) -> dict[str, dict[str, str]]:

@@ -12,7 +12,6 @@ import os
 import re
 import sys
 from contextlib import contextmanager
-from pathlib import Path
 from typing import TYPE_CHECKING, Iterator
 
 from launcher import schema

@@ -16,7 +16,7 @@ from typing import Any
 from omegaconf import DictConfig
 
 from launcher.derived import ConfigError
-from launcher.rundir import BEST_FILE, write_atomically
+from launcher.rundir import BEST_FILE, step_dir, write_atomically
 
 
 def best_mode(metric: str, mode: str | None) -> str:
@@ -58,7 +58,7 @@ class Best:
     def record(self, run_dir: Path) -> dict[str, Any] | None:
         """The best so far for best.json and summary.json (None while there is none)."""
         state = self.state()
-        return state and {**state, "checkpoint": str(run_dir / "checkpoints" / str(self.step))}
+        return state and {**state, "checkpoint": str(step_dir(run_dir, self.step))}
 
     def write(self, run_dir: Path) -> None:
         """Rank 0, once the checkpoint that holds this state is complete."""

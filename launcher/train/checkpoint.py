@@ -22,8 +22,8 @@ import torch
 from safetensors.torch import load_file, load_model, save_model
 
 from launcher.derived import ConfigError
-from launcher.rundir import (MARKER, PRETRAINED_FILE, PRETRAINED_KEYS, best_record, complete_steps, is_run_dir,
-                             pinned_checkpoint, pinned_pretrained, write_atomically)
+from launcher.rundir import (CHECKPOINTS_DIR, MARKER, PRETRAINED_FILE, PRETRAINED_KEYS, best_record, complete_steps,
+                             is_run_dir, pinned_checkpoint, pinned_pretrained, step_dir, write_atomically)
 from launcher.train import sharded_checkpoint, sharding
 from launcher.train.background_save import BackgroundSave, HostWeights
 from launcher.train.dist import all_gather_objects, every_rank, on_rank_0
@@ -81,7 +81,7 @@ def save(run_dir: Path, step: int, model: torch.nn.Module, train_state: dict[str
     `model_files` writes what the job keeps beside the weights (a transformers job: config.json and the
     tokenizer, which make the checkpoint a save_pretrained dir); `then` runs on rank 0 once the save is complete."""
     rng_states = all_gather_objects(rng_state(device))
-    final = run_dir / "checkpoints" / str(step)
+    final = step_dir(run_dir, step)
     state = {**train_state, "rng": rng_states}
     is_main = torch.distributed.get_rank() == 0
 
@@ -101,7 +101,7 @@ def save(run_dir: Path, step: int, model: torch.nn.Module, train_state: dict[str
         return final
     wait_for_background(background)  # every rank's part of the save before: any rank's error is every rank's
     # rank 0 makes the temp dir before any rank starts: DCP makes its folder in there on every rank
-    on_rank_0(lambda: _fresh(run_dir / "checkpoints" / f".tmp-{step}"), describe=describe)
+    on_rank_0(lambda: _fresh(run_dir / CHECKPOINTS_DIR / f".tmp-{step}"), describe=describe)
     mine = (model, state) if is_main else (None, None)  # the other ranks write their shards only
     every_rank(lambda: write(*mine, moments) if background is None else background.start(step, *mine, write, moments),
                describe=describe)
@@ -121,8 +121,8 @@ def _write(run_dir: Path, step: int, model: torch.nn.Module | HostWeights | None
     """Rank 0's part of save: the files, made complete at once, then the retention. `model`: the module, or
     its weights copied to host memory (launcher/train/background_save.py). With `moments` (strategy=fsdp) every
     rank enters: each writes its shards, and the others' part ends there (`model` None)."""
-    root = run_dir / "checkpoints"
-    tmp, final = root / f".tmp-{step}", root / str(step)
+    root = run_dir / CHECKPOINTS_DIR
+    tmp, final = root / f".tmp-{step}", step_dir(run_dir, step)
     if moments is None:
         _fresh(tmp)
         shard_sums = {}
@@ -145,8 +145,8 @@ def _write(run_dir: Path, step: int, model: torch.nn.Module | HostWeights | None
     _fsync(root)
     for old in complete_steps(run_dir)[:-keep]:
         if old not in (also_keep, step):  # marker first: a dir half deleted (NFS keeps files in use) is none
-            (root / str(old) / MARKER).unlink(missing_ok=True)  # (a resume deletes what is left): the save stands
-            shutil.rmtree(root / str(old), ignore_errors=True)
+            (step_dir(run_dir, old) / MARKER).unlink(missing_ok=True)  # (a resume deletes what is left)
+            shutil.rmtree(step_dir(run_dir, old), ignore_errors=True)  # the save stands
 
 
 def _fresh(tmp: Path) -> None:
@@ -155,29 +155,29 @@ def _fresh(tmp: Path) -> None:
     tmp.mkdir(parents=True)
 
 
-def _verify(step_dir: Path) -> None:
+def _verify(checkpoint: Path) -> None:
     """Raise unless every file of the checkpoint matches the checksum its marker recorded."""
-    recorded = json.loads((step_dir / MARKER).read_text())["sha256"]
+    recorded = json.loads((checkpoint / MARKER).read_text())["sha256"]
     for name, digest in recorded.items():
-        if _sha256(step_dir / name) != digest:
+        if _sha256(checkpoint / name) != digest:
             raise ValueError(f"{name} does not match its checksum")
 
 
-def _usable(step_dir: Path, warn: Callable[[str], None]) -> bool:
-    """Whether step_dir is a complete checkpoint whose files match their checksums (else a warning says why)."""
+def _usable(checkpoint: Path, warn: Callable[[str], None]) -> bool:
+    """Whether checkpoint is a complete checkpoint whose files match their checksums (else a warning says why)."""
     try:
-        _verify(step_dir)
+        _verify(checkpoint)
         return True
     except Exception as err:  # missing, truncated, corrupt, unreadable: say so
-        warn(f"warning: checkpoint {step_dir} is unusable ({type(err).__name__}: {str(err).splitlines()[0][:120]})")
+        warn(f"warning: checkpoint {checkpoint} is unusable ({type(err).__name__}: {str(err).splitlines()[0][:120]})")
         return False
 
 
 def _newest_usable(run_dir: Path, warn: Callable[[str], None]) -> Path | None:
     """The newest checkpoint of run_dir whose files match their checksums (rank 0 reads them); older ones
     when newer are unusable."""
-    newest_first = (run_dir / "checkpoints" / str(step) for step in reversed(complete_steps(run_dir)))
-    return next((step_dir for step_dir in newest_first if _usable(step_dir, warn)), None)
+    newest_first = (step_dir(run_dir, step) for step in reversed(complete_steps(run_dir)))
+    return next((checkpoint for checkpoint in newest_first if _usable(checkpoint, warn)), None)
 
 
 def _best_usable(run_dir: Path, warn: Callable[[str], None]) -> Path | None:
@@ -185,8 +185,8 @@ def _best_usable(run_dir: Path, warn: Callable[[str], None]) -> Path | None:
     best = best_record(run_dir)
     if best is None:
         return None
-    step_dir = run_dir / "checkpoints" / str(best["step"])
-    return step_dir if (step_dir / MARKER).is_file() and _usable(step_dir, warn) else None
+    best_dir = step_dir(run_dir, best["step"])
+    return best_dir if (best_dir / MARKER).is_file() and _usable(best_dir, warn) else None
 
 
 def load_latest(run_dir: Path, model: torch.nn.Module, warn: Callable[[str], None]) -> dict[str, Any] | None:
@@ -198,12 +198,12 @@ def load_latest(run_dir: Path, model: torch.nn.Module, warn: Callable[[str], Non
     step = on_rank_0(lambda: _resume_point(run_dir, warn))
     if step is None:
         return None
-    step_dir = run_dir / "checkpoints" / str(step)  # under this node's own path to the run dir
+    chosen = step_dir(run_dir, step)  # under this node's own path to the run dir
     if sharding.is_sharded(model):  # strategy=fsdp: each rank keeps its rows of the full tensors
-        sharding.load_full_weights(model, load_file(step_dir / "model.safetensors"))
+        sharding.load_full_weights(model, load_file(chosen / "model.safetensors"))
     else:
-        load_model(model, str(step_dir / "model.safetensors"))
-    return torch.load(step_dir / "train_state.pt", weights_only=True, map_location="cpu")
+        load_model(model, str(chosen / "model.safetensors"))
+    return torch.load(chosen / "train_state.pt", weights_only=True, map_location="cpu")
 
 
 def _resume_point(run_dir: Path, warn: Callable[[str], None]) -> int | None:
@@ -212,7 +212,7 @@ def _resume_point(run_dir: Path, warn: Callable[[str], None]) -> int | None:
     one chosen, moved aside to checkpoints/.unusable-<step>: the retention of later saves counts by step, so
     it would keep them as the newest and delete the new checkpoints. A run none of whose checkpoints reads
     back does not start over."""
-    root = run_dir / "checkpoints"
+    root = run_dir / CHECKPOINTS_DIR
     unmarked = [d for d in root.glob("*") if d.name.isdigit() and not (d / MARKER).exists()]  # retention's rest
     for leftover in [*root.glob(".tmp-*"), *unmarked]:
         shutil.rmtree(leftover, ignore_errors=True)  # (what a file system keeps, it keeps: no reason to stop)
@@ -221,7 +221,7 @@ def _resume_point(run_dir: Path, warn: Callable[[str], None]) -> int | None:
     for step in unusable:
         aside = root / f".unusable-{step}"
         shutil.rmtree(aside, ignore_errors=True)
-        os.replace(root / str(step), aside)
+        os.replace(step_dir(run_dir, step), aside)
     where = f"{root}/.unusable-<step> (steps {', '.join(map(str, unusable))})"
     if unusable and chosen is None:
         raise ConfigError(f"no checkpoint of this run reads back whole; they are moved aside to {where}: launch "

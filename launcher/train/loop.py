@@ -14,6 +14,7 @@ from typing import Any, Iterable, Iterator
 import torch
 
 from launcher.preempt import StopFlag, ignore_in_data_workers
+from launcher.rundir import CHECKPOINTS_DIR, step_dir
 from launcher.train import checkpoint, compiled, micro_batch, sharded_checkpoint, sharding
 from launcher.train.background_save import HostWeights
 from launcher.train.best import write_best
@@ -173,7 +174,7 @@ def train(run: Run, progress: Progress, stop: StopFlag, final_eval: dict[str, fl
         if run.env.is_main and progress.step:  # the eval of the resumed checkpoint may have made it the best
             run.best.write(run.run_dir)
     # train.max_steps=0 evaluates only: no step, no checkpoint
-    summary["checkpoint"] = str(run.run_dir / "checkpoints" / str(progress.step)) if progress.step else None
+    summary["checkpoint"] = str(step_dir(run.run_dir, progress.step)) if progress.step else None
     if run.best.metric and progress.step:
         summary["best"] = run.best.record(run.run_dir)
     if run.profiler.dir:
@@ -196,7 +197,7 @@ def record_eval(run: Run, step: int) -> bool:
 
 def step_ledger(run: Run, progress: Progress) -> StepLedger:
     """The host's late view of the steps' agreed flags, counting into `progress` (launcher/train/ledger.py)."""
-    return StepLedger(progress, run.scheduler, run.max_bad_steps, run.run_dir / "checkpoints")
+    return StepLedger(progress, run.scheduler, run.max_bad_steps, run.run_dir / CHECKPOINTS_DIR)
 
 
 def save_checkpoint(run: Run, progress: Progress, final_eval: dict[str, float] | None = None,

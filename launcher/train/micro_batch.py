@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors.handlers import get_error_handler
 
 from launcher.preempt import OUT_OF_MEMORY_EXIT_CODE
-from launcher.rundir import write_atomically
+from launcher.rundir import CHECKPOINTS_DIR, write_atomically
 from launcher.task import to_device
 from launcher.train.dist import all_gather_objects, on_rank_0
 from launcher.train.memory_trial import forward_backward, free_memory, memory_report, moments_to_come, usable_bytes
@@ -194,7 +194,7 @@ def shrink(run: Run, step: int) -> None:
     who, smaller = run.out_of_memory.who_ran_out(), halved(share_of(run), run.micro_batch_size)
     if smaller is None:
         raise RuntimeError(f"train.micro_batch_size=auto: {who} ran out of memory at step {step} even with "
-                           f"micro-batch 1; the last complete checkpoint is kept in {run.run_dir / 'checkpoints'}; "
+                           f"micro-batch 1; the last complete checkpoint is kept in {run.run_dir / CHECKPOINTS_DIR}; "
                            f"{SMALLER}")
     drop_step(run, step)
     use(run, smaller, f"{who} ran out of memory at step {step} with micro-batch {run.micro_batch_size}; every "
@@ -216,7 +216,7 @@ def drop_step(run: Run, step: int) -> None:
     except torch.OutOfMemoryError:  # with the step's memory freed: this rank cannot train at all
         raise RuntimeError(f"train.micro_batch_size=auto: rank {run.env.rank} ran out of memory at step {step} even "
                            f"for one sample ({memory_report(run.env.device)}); the last complete checkpoint is kept "
-                           f"in {run.run_dir / 'checkpoints'}; {SMALLER}") from None
+                           f"in {run.run_dir / CHECKPOINTS_DIR}; {SMALLER}") from None
     run.optimizer.zero_grad(set_to_none=True)
     run.out_of_memory.rewind(run.module)
     free_memory(run.env.device)

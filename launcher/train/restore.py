@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
+from launcher.rundir import step_dir
 from launcher.train import checkpoint, sharded_checkpoint, sharding
 from launcher.train.data import rank_seed, seed_all
 from launcher.train.ledger import Progress
@@ -25,9 +26,8 @@ def restore(run: Run, state: dict[str, Any] | None, seed: int, allow_config_chan
     # settings (lr, betas, weight decay, fused...): a change that resume.allow_config_change let through applies.
     saved = state["optimizer"]
     if state.get("optimizer_moments"):  # strategy=fsdp wrote its moments in shards: each rank reads what it keeps
-        step_dir = run.run_dir / "checkpoints" / str(state["progress"]["step"])
-        saved = sharded_checkpoint.read(step_dir / state["optimizer_moments"], saved, run.optimizer,
-                                        run.checkpoint_timeout_s)
+        shards = step_dir(run.run_dir, state["progress"]["step"]) / state["optimizer_moments"]
+        saved = sharded_checkpoint.read(shards, saved, run.optimizer, run.checkpoint_timeout_s)
     elif sharding.is_sharded(run.module):  # DDP's full tensors: strategy=fsdp keeps its rows of each (sharding.py)
         saved = sharding.shard_optimizer_state(run.optimizer, saved)
     settings = run.optimizer.state_dict()["param_groups"]
@@ -48,5 +48,5 @@ def restore(run: Run, state: dict[str, Any] | None, seed: int, allow_config_chan
         checkpoint.set_rng_state(state["rng"][run.env.rank], run.env.device)
     else:  # another world size: fresh, still deterministic per-rank streams
         seed_all(rank_seed(seed, run.env.rank, progress.step))
-    run.log.info(f"resumed from step {progress.step} ({run.run_dir / 'checkpoints' / str(progress.step)})")
+    run.log.info(f"resumed from step {progress.step} ({step_dir(run.run_dir, progress.step)})")
     return progress
