@@ -162,6 +162,7 @@ def test_launch_record_has_what_a_bug_report_needs_and_no_secret(tmp_path: Path)
     assert {"torch", "hydra-core", "omegaconf"} <= set(launch["packages"]) and launch["torch"].startswith("2.")
     assert launch["git"]["dirty"] is True and len(launch["git"]["revision"]) == 40 and launch["git"]["diff"] == "git.diff"
     assert "+# a local change" in (run_dir / "git.diff").read_text()
+    assert launch["job_git"] == {}  # the job's modules (jobs.toy) are the launcher's checkout's
     assert launch["env"]["NCCL_DEBUG"] == "INFO" and launch["env"]["TORCH_HF_TOKEN"] == "<redacted>"
     assert launch["env"]["TORCH_STORE_URL"] == "https://<redacted>@example.org/store"
     assert launch["env"]["TORCH_CKPT_URL"] == "https://s3.example.org/b/x?X-Amz-Signature=<redacted>&part=1"

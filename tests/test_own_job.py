@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
 import textwrap
 from pathlib import Path
 
@@ -136,7 +137,14 @@ def launch(repo: Path, *overrides: str, path: bool = True):
 
 
 def test_a_job_of_one_s_own_trains_from_its_own_repo(own_repo: Path) -> None:
-    """(Its eval_sums returns a sum its eval_sum_keys do not name: said once, as it is neither added up nor logged.)"""
+    """launch.json records the job repo's git state beside the launcher's, its uncommitted change in job.git.diff.
+    (Its eval_sums returns a sum its eval_sum_keys do not name: said once, as it is neither added up nor logged.)"""
+    git = lambda *args: subprocess.run(["git", *args], cwd=own_repo, check=True, capture_output=True)  # noqa: E731
+    git("init", "-q")
+    git("add", ".")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "my job")
+    with open(own_repo / "myjob" / "cls.py", "a") as f:
+        f.write("# tried this afternoon\n")
     out = launch(own_repo, "data._target_=myjob.cls.ExtraSums")
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stderr.count("warning: data._target_=myjob.cls.ExtraSums: its eval_sums returned margin, which its "
@@ -144,6 +152,9 @@ def test_a_job_of_one_s_own_trains_from_its_own_repo(own_repo: Path) -> None:
     assert (own_repo / "run" / "checkpoints" / "8" / "COMPLETE").is_file()
     record = json.loads((own_repo / "run" / "launch.json").read_text())  # what the same command needs again
     assert record["env"]["PYTHONPATH"] == f"{own_repo}:{REPO}" and "-cd" in record["command"], record
+    revision = git("rev-parse", "HEAD").stdout.decode().strip()
+    assert record["job_git"] == {str(own_repo.resolve()): {"revision": revision, "dirty": True, "diff": "job.git.diff"}}, record
+    assert "+# tried this afternoon" in (own_repo / "run" / "job.git.diff").read_text()
 
 
 @pytest.mark.parametrize("overrides, path, line", [
@@ -229,49 +240,3 @@ def test_a_model_written_in_place_over_the_default_is_told_where_its_extra_keys_
         "error: model.in_features comes from model=mlp (conf/model/mlp.yaml), the option under the model._target_ your "
         "config sets (myjob.cls.Net takes no in_features): write yours as a model option of its own and choose it "
         "(model=<name>, or `- override /model: <name>` in an experiment's defaults)"))
-
-
-@pytest.mark.parametrize("source, found", [
-    (b"\xef\xbb\xbfclass Model:\n    pass\n", True),  # a BOM: Python reads it
-    (b"import sys\nmatch sys.platform:\n    case _:\n        class Model:\n            pass\n", True),
-    (b"def _setup():\n    global Model\n    Model = object\n_setup()\n", True),  # bound by a function
-    (b"vars()['Model'] = object\n", True), (b"from os.path import join as Model\n", True),
-    (b"class Modle:\n    pass\n", False),
-], ids=["bom", "match", "global", "vars", "import as", "misspelt"])
-def test_a_target_s_name_is_read_from_its_source_as_python_binds_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                                  source: bytes, found: bool) -> None:
-    """No false refusal of a name the module does define (a review found these); a misspelt one is named."""
-    from launcher.launch.target_check import target_problem
-
-    package = f"pkg_{abs(hash(source))}"  # (a package of its own: this process keeps the ones imported before)
-    (tmp_path / package).mkdir()
-    (tmp_path / package / "__init__.py").write_text("")
-    (tmp_path / package / "mod.py").write_bytes(source)
-    monkeypatch.syspath_prepend(str(tmp_path))
-    problem = target_problem(f"{package}.mod.Model")
-    assert (problem is None) == found, problem
-    if not found:
-        assert problem == f"{tmp_path / package / 'mod.py'} defines no Model; did you mean Modle?"
-
-
-def test_a_package_that_needs_what_is_not_installed_is_left_to_the_workers(tmp_path: Path,
-                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
-    """Importing the package fails (its __init__ imports a missing dependency): not 'no module named pkg.mod', and
-    no traceback in the parent; the workers' import says what is missing."""
-    from launcher.launch.target_check import target_problem
-
-    (tmp_path / "needy").mkdir()
-    (tmp_path / "needy" / "__init__.py").write_text("import a_package_not_installed_here\n\n\nclass Model:\n    pass\n")
-    (tmp_path / "needy" / "mod.py").write_text("class Model:\n    pass\n")
-    monkeypatch.syspath_prepend(str(tmp_path))
-    assert target_problem("needy.mod.Model") is None and target_problem("needy.Model") is None
-
-
-def test_a_slurm_job_whose_setup_lines_may_give_its_nodes_a_path_is_not_checked_here() -> None:
-    from conftest import compose_config
-    from launcher.launch.target_check import check_targets
-
-    nowhere = ("+exp=toy", "data._target_=a_job_on_the_nodes_path.Task")
-    with pytest.raises(ConfigError, match="no module named 'a_job_on_the_nodes_path'"):
-        check_targets(compose_config(*nowhere, "launcher=slurm"))
-    check_targets(compose_config(*nowhere, "launcher=slurm", "launcher.setup=[source /shared/venv/bin/activate]"))

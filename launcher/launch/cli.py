@@ -37,7 +37,7 @@ from launcher.launch.run_log import kept_in
 from launcher.launch.slurm_jobs import active_job, job_goes_on
 from launcher.launch.slurm_submit import dependency, queue
 from launcher.launch.sweep_points import check_every_point
-from launcher.launch.target_check import check_targets
+from launcher.launch.target_check import check_targets, job_files
 from launcher.launch.tracker_start import hydra_point, mark_failed, start_trackers
 from launcher.preempt import REQUEUE_EXIT_CODE, read_preempted, release_early_signals
 from launcher.redact import redact_override
@@ -54,10 +54,10 @@ CONF_DIR = Path(__file__).resolve().parents[2] / "conf"  # the repo's conf/, as 
 FRESH_RUN_DIR = {".hydra", "launcher.log", LOCK_FILE}
 
 
-def write_launch_record(run_dir: Path, plan: Plan) -> None:
+def write_launch_record(run_dir: Path, plan: Plan, cfg: DictConfig) -> None:
     record = {"command": [redact_override(arg) for arg in sys.argv], "host": platform.node(),
               "overrides": [redact_override(arg) for arg in HydraConfig.get().overrides.task],
-              "plan": asdict(plan), **environment_record(run_dir)}
+              "plan": asdict(plan), **environment_record(run_dir, job_files(cfg))}
     (run_dir / LAUNCH_FILE).write_text(json.dumps(record, indent=2) + "\n")
 
 
@@ -232,7 +232,7 @@ def launch(cfg: DictConfig, run_dir: Path) -> None:
         sys.exit(2)
     new = not (run_dir / "config.yaml").exists()  # no run in it before: a Slurm submission that fails removes it
     config_path = write_config(run_dir, config)
-    write_launch_record(run_dir, plan)
+    write_launch_record(run_dir, plan, cfg)
     if trackers:  # every start of the workers (relaunch, restart, requeue) reopens these tracker runs
         write_record(run_dir, trackers)
     if cfg.launcher.name == "slurm":  # submitted by __main__ once Hydra has run every sweep point

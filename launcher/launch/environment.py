@@ -1,7 +1,7 @@
 """What a bug report needs, recorded in launch.json by the parent: packages, code state, GPUs, env.
 
 Installed packages and versions, the git revision of the code (and, when the tree has changes, the
-diff in <run_dir>/git.diff), torch/CUDA/NCCL/driver versions, GPU names, and the NCCL_*, TORCH_*,
+diff in <run_dir>/git.diff) and of a job's own repo (job_git; its diff in job.git.diff), torch/CUDA/NCCL/driver versions, GPU names, and the NCCL_*, TORCH_*,
 CUDA_*, PYTORCH_*, SLURM_* variables (and, from the first node of a Slurm job, the job's own). Never a secret: a variable whose name says token, key, password,
 secret or credential is redacted, and so are credentials inside URLs.
 Exercised by: tests/test_cli.py (`python -m launcher +exp=toy`, then read <run_dir>/launch.json).
@@ -27,26 +27,41 @@ ENV_NAMES = ("PYTHONPATH",)  # where a job of one's own was imported from (its r
 MAX_DIFF_BYTES = 1 << 20
 
 
-def _git(*args: str) -> str | None:
+def _git(*args: str, where: Path = CODE) -> str | None:
     try:
-        out = subprocess.run(["git", *args], cwd=CODE, capture_output=True, encoding="utf-8", errors="replace",
+        out = subprocess.run(["git", *args], cwd=where, capture_output=True, encoding="utf-8", errors="replace",
                              timeout=10)
     except (OSError, subprocess.TimeoutExpired):
         return None
     return out.stdout if out.returncode == 0 else None
 
 
-def code_state(run_dir: Path) -> dict[str, Any]:
-    """The git revision of the code, and whether the tree differs from it (the diff goes to git.diff)."""
-    revision = _git("rev-parse", "HEAD")
+def code_state(run_dir: Path, where: Path = CODE, diff: str = "git.diff") -> dict[str, Any]:
+    """The git revision of the checkout at `where`, and whether its tree differs from it (the diff goes to `diff`)."""
+    revision = _git("rev-parse", "HEAD", where=where)
     if revision is None:
         return {"revision": None}
-    status = _git("status", "--porcelain", "--untracked-files=no")
+    status = _git("status", "--porcelain", "--untracked-files=no", where=where)
     state: dict[str, Any] = {"revision": revision.strip(), "dirty": None if status is None else bool(status.strip())}
     if state["dirty"]:  # the diff of tracked files, as they are: the code that ran (cut at 1 MB)
-        (run_dir / "git.diff").write_text((_git("diff", "HEAD") or "")[:MAX_DIFF_BYTES])
-        state["diff"] = "git.diff"
+        (run_dir / diff).write_text((_git("diff", "HEAD", where=where) or "")[:MAX_DIFF_BYTES])
+        state["diff"] = diff
     return state
+
+
+def job_code_state(run_dir: Path, job_files: list[Path]) -> dict[str, Any]:
+    """{top dir: its code_state} of each git checkout, other than the launcher's, that holds a module the job's
+    `_target_`s name (a job of one's own, in its repo: README's 'Adding a job'); the first one's diff goes to
+    job.git.diff, a second's to job-2.git.diff."""
+    tops: list[str] = []
+    for file in job_files:
+        if file.is_relative_to(CODE):  # (jobs/: the launcher's own git state covers it)
+            continue
+        top = _git("rev-parse", "--show-toplevel", where=file.parent)
+        if top is not None and top.strip() not in tops:
+            tops.append(top.strip())
+    return {top: code_state(run_dir, Path(top), "job.git.diff" if i == 0 else f"job-{i + 1}.git.diff")
+            for i, top in enumerate(tops)}
 
 
 def _nccl() -> str | None:
@@ -57,10 +72,10 @@ def _nccl() -> str | None:
     return ".".join(map(str, version)) if isinstance(version, tuple) else str(version)
 
 
-def environment_record(run_dir: Path) -> dict[str, Any]:
+def environment_record(run_dir: Path, job_files: list[Path]) -> dict[str, Any]:
     gpus = [gpu.name for gpu in visible_gpus()]  # NVML: no CUDA context, no nvidia-smi (launcher/launch/gpus.py)
     return {
-        "git": code_state(run_dir),
+        "git": code_state(run_dir), "job_git": job_code_state(run_dir, job_files),
         "torch": torch.__version__, "cuda": torch.version.cuda,
         "nccl": _nccl() if gpus else None,
         "gpus": gpus, "driver": driver_version() if gpus else None,

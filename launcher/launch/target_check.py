@@ -3,8 +3,9 @@
 Checked in the parent, before any process starts, from the module's source where it is not imported yet (a job's
 module may import transformers: seconds): a job of one's own without PYTHONPATH, a misspelt class or a module that
 does not parse failed each worker after the rendezvous, and passed a dry run. What the source cannot tell (a name
-made at run time, a package that raises on import) is left to the workers, which say it in one line.
-Exercised by: tests/test_own_job.py (a job of one's own, its mistakes).
+made at run time, a package that raises on import) is left to the workers, which say it in one line. The files of
+the modules named (job_files) tell launch.json which repo's git state is the job's.
+Exercised by: tests/test_own_job.py (a job of one's own, its mistakes) and tests/test_target_check.py.
 """
 from __future__ import annotations
 
@@ -93,8 +94,28 @@ def target_problem(target: str) -> str | None:
         if named == len(parts) - 1 and _is_module(target):
             return f"names a module: name what it defines ({target}.<Name>)"
         if named < len(parts) - 1:
-            return f"no module named {where}.{parts[named]} ({where} is {Path(spec.origin).parent}/)"
+            return f"no module named {where}.{parts[named]} ({where} is {Path(spec.origin).parent}/)" + _shadowed(
+                parts[:named + 1], Path(spec.origin).parent)
     return _no_name(parts[named], names, spec.origin)
+
+
+def job_files(cfg: DictConfig) -> list[Path]:
+    """The files of the modules that data's, model's and optimizer's `_target_`s name, outside this Python's own
+    installation (a job of one's own: launch.json records its repo's git state)."""
+    files = []
+    for group in TARGET_GROUPS:
+        parts = str(cfg.get(group, {}).get("_target_") or "").split(".")
+        for end in range(len(parts) - 1, 0, -1):  # the longest prefix that is a module: pkg.mod of pkg.mod.Name
+            try:
+                spec = importlib.util.find_spec(".".join(parts[:end]))
+            except Exception:  # noqa: BLE001 - checked above: what is left here is the workers' to say
+                spec = None
+            if spec is not None and spec.origin and spec.origin.endswith(".py"):
+                file = Path(spec.origin).resolve()
+                if not any(file.is_relative_to(Path(prefix).resolve()) for prefix in {sys.prefix, sys.base_prefix}):
+                    files.append(file)
+                break
+    return files
 
 
 @lru_cache(maxsize=None)
@@ -103,6 +124,16 @@ def module_source(origin: str) -> tuple[ast.Module, str]:
     launch (launcher/launch/known_keys.py reads the same target's signature from it)."""
     raw = Path(origin).read_bytes()
     return ast.parse(raw, origin), raw.decode("utf-8", errors="replace")
+
+
+def _shadowed(parts: list[str], found: Path) -> str:
+    """What to add where a package of the user's has the module but another of its name comes first on the path (a
+    job's package named `jobs`, as the launcher's own)."""
+    for entry in sys.path:
+        package = Path(entry or ".").resolve().joinpath(*parts[:-1])
+        if package != found.resolve() and ((package / f"{parts[-1]}.py").is_file() or (package / parts[-1]).is_dir()):
+            return f"; {package}/ has it, but comes later on the path: rename that package"
+    return ""
 
 
 def _is_module(name: str) -> bool:
