@@ -81,6 +81,14 @@ def run_torchrun(nproc: int, script: Path, *args: str, timeout: float = 300) -> 
     return out
 
 
+def committed(repo: Path) -> str:
+    """Make `repo` a git checkout with everything in it committed; its revision."""
+    for args in (["init", "-q"], ["add", "."], ["-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "code"]):
+        subprocess.run(["git", *args], cwd=repo, check=True, capture_output=True)
+    return subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo, check=True, capture_output=True,
+                          text=True).stdout.strip()
+
+
 def read_metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 

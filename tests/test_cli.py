@@ -12,7 +12,7 @@ import pytest
 from omegaconf import OmegaConf
 from safetensors.torch import load_file
 
-from conftest import REPO, on_the_cpu_plan, read_metrics, run_cli, subprocess_env
+from conftest import REPO, committed, on_the_cpu_plan, read_metrics, run_cli, subprocess_env
 from launcher.derived import config_hash
 
 pytestmark = pytest.mark.slow
@@ -142,10 +142,7 @@ def test_launch_record_has_what_a_bug_report_needs_and_no_secret(tmp_path: Path)
     code = tmp_path / "code"
     for part in ("launcher", "jobs", "conf"):
         shutil.copytree(REPO / part, code / part, ignore=shutil.ignore_patterns("__pycache__"))
-    git = lambda *args: subprocess.run(["git", *args], cwd=code, check=True, capture_output=True)  # noqa: E731
-    git("init", "-q")
-    git("add", ".")
-    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "code")
+    revision = committed(code)
     with open(code / "jobs" / "toy.py", "a") as f:
         f.write("# a local change\n")
     secrets = {"TORCH_HF_TOKEN": "hf_abc123", "NCCL_IB_PASSWORD": "pw-456", "SLURM_JWT": "jwt-000",
@@ -160,7 +157,7 @@ def test_launch_record_has_what_a_bug_report_needs_and_no_secret(tmp_path: Path)
     text = (run_dir / "launch.json").read_text()
     launch = json.loads(text)
     assert {"torch", "hydra-core", "omegaconf"} <= set(launch["packages"]) and launch["torch"].startswith("2.")
-    assert launch["git"]["dirty"] is True and len(launch["git"]["revision"]) == 40 and launch["git"]["diff"] == "git.diff"
+    assert launch["git"] == {"revision": revision, "dirty": True, "diff": "git.diff"}
     assert "+# a local change" in (run_dir / "git.diff").read_text()
     assert launch["job_git"] == {}  # the job's modules (jobs.toy) are the launcher's checkout's
     assert launch["env"]["NCCL_DEBUG"] == "INFO" and launch["env"]["TORCH_HF_TOKEN"] == "<redacted>"

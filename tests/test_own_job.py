@@ -6,13 +6,12 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
 import textwrap
 from pathlib import Path
 
 import pytest
 
-from conftest import REPO, run_cli
+from conftest import REPO, committed, run_cli
 from launcher.derived import ConfigError
 from launcher.train.job import check_task
 
@@ -139,10 +138,7 @@ def launch(repo: Path, *overrides: str, path: bool = True):
 def test_a_job_of_one_s_own_trains_from_its_own_repo(own_repo: Path) -> None:
     """launch.json records the job repo's git state beside the launcher's, its uncommitted change in job.git.diff.
     (Its eval_sums returns a sum its eval_sum_keys do not name: said once, as it is neither added up nor logged.)"""
-    git = lambda *args: subprocess.run(["git", *args], cwd=own_repo, check=True, capture_output=True)  # noqa: E731
-    git("init", "-q")
-    git("add", ".")
-    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "my job")
+    revision = committed(own_repo)
     with open(own_repo / "myjob" / "cls.py", "a") as f:
         f.write("# tried this afternoon\n")
     out = launch(own_repo, "data._target_=myjob.cls.ExtraSums")
@@ -152,7 +148,6 @@ def test_a_job_of_one_s_own_trains_from_its_own_repo(own_repo: Path) -> None:
     assert (own_repo / "run" / "checkpoints" / "8" / "COMPLETE").is_file()
     record = json.loads((own_repo / "run" / "launch.json").read_text())  # what the same command needs again
     assert record["env"]["PYTHONPATH"] == f"{own_repo}:{REPO}" and "-cd" in record["command"], record
-    revision = git("rev-parse", "HEAD").stdout.decode().strip()
     assert record["job_git"] == {str(own_repo.resolve()): {"revision": revision, "dirty": True, "diff": "job.git.diff"}}, record
     assert "+# tried this afternoon" in (own_repo / "run" / "job.git.diff").read_text()
 
