@@ -1,10 +1,12 @@
 """What a bug report needs, recorded in launch.json by the parent: packages, code state, GPUs, env.
 
-Installed packages and versions, the git revision of the code (and, when the tree has changes, the
-diff in <run_dir>/git.diff) and of a job's own repo (job_git; its diff in job.git.diff), torch/CUDA/NCCL/driver versions, GPU names, and the NCCL_*, TORCH_*,
-CUDA_*, PYTORCH_*, SLURM_* variables (and, from the first node of a Slurm job, the job's own). Never a secret: a variable whose name says token, key, password,
-secret or credential is redacted, and so are credentials inside URLs.
-Exercised by: tests/test_cli.py (`python -m launcher +exp=toy`, then read <run_dir>/launch.json).
+Installed packages and versions, the git revision of the code (and, when the tree has changes, the diff in
+<run_dir>/git.diff) and of a job's own repo (job_git; its diff in job.git.diff), torch/CUDA/NCCL/driver versions,
+GPU names, and the NCCL_*, TORCH_*, CUDA_*, PYTORCH_*, SLURM_* variables (and, from the first node of a Slurm job,
+the job's own). Never a secret: a variable whose name says token, key, password, secret or credential is redacted,
+and so are credentials inside URLs.
+Exercised by: tests/test_cli.py (`python -m launcher +exp=toy`, then read <run_dir>/launch.json) and
+tests/test_own_job.py (a job in a repo of its own).
 """
 from __future__ import annotations
 

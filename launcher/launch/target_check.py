@@ -104,7 +104,8 @@ def job_files(cfg: DictConfig) -> list[Path]:
     installation (a job of one's own: launch.json records its repo's git state)."""
     files = []
     for group in TARGET_GROUPS:
-        parts = str(cfg.get(group, {}).get("_target_") or "").split(".")
+        node = cfg.get(group)
+        parts = str(node.get("_target_") or "").split(".") if isinstance(node, DictConfig) else []
         for end in range(len(parts) - 1, 0, -1):  # the longest prefix that is a module: pkg.mod of pkg.mod.Name
             try:
                 spec = importlib.util.find_spec(".".join(parts[:end]))
@@ -131,7 +132,11 @@ def _shadowed(parts: list[str], found: Path) -> str:
     job's package named `jobs`, as the launcher's own)."""
     for entry in sys.path:
         package = Path(entry or ".").resolve().joinpath(*parts[:-1])
-        if package != found.resolve() and ((package / f"{parts[-1]}.py").is_file() or (package / parts[-1]).is_dir()):
+        try:
+            has_it = (package / f"{parts[-1]}.py").is_file() or (package / parts[-1]).is_dir()
+        except OSError:  # (a path entry this user may not read)
+            continue
+        if has_it and package != found.resolve():
             return f"; {package}/ has it, but comes later on the path: rename that package"
     return ""
 
