@@ -59,9 +59,9 @@ def job_code_state(run_dir: Path, job_files: list[Path]) -> dict[str, Any]:
     for file in job_files:
         if file.is_relative_to(CODE):  # (jobs/: the launcher's own git state covers it)
             continue
-        top = _git("rev-parse", "--show-toplevel", where=file.parent)
-        if top is not None and top.strip() not in tops:
-            tops.append(top.strip())
+        top = (_git("rev-parse", "--show-toplevel", where=file.parent) or "").strip()
+        if top and top not in tops:
+            tops.append(top)
     return {top: code_state(run_dir, Path(top), "job.git.diff" if i == 0 else f"job-{i + 1}.git.diff")
             for i, top in enumerate(tops)}
 

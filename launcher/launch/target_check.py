@@ -102,6 +102,7 @@ def target_problem(target: str) -> str | None:
 def job_files(cfg: DictConfig) -> list[Path]:
     """The files of the modules that data's, model's and optimizer's `_target_`s name, outside this Python's own
     installation (a job of one's own: launch.json records its repo's git state)."""
+    installed = {Path(prefix).resolve() for prefix in (sys.prefix, sys.base_prefix)}
     files = []
     for group in TARGET_GROUPS:
         node = cfg.get(group)
@@ -113,7 +114,7 @@ def job_files(cfg: DictConfig) -> list[Path]:
                 spec = None
             if spec is not None and spec.origin and spec.origin.endswith(".py"):
                 file = Path(spec.origin).resolve()
-                if not any(file.is_relative_to(Path(prefix).resolve()) for prefix in {sys.prefix, sys.base_prefix}):
+                if not any(file.is_relative_to(prefix) for prefix in installed):
                     files.append(file)
                 break
     return files
@@ -130,13 +131,14 @@ def module_source(origin: str) -> tuple[ast.Module, str]:
 def _shadowed(parts: list[str], found: Path) -> str:
     """What to add where a package of the user's has the module but another of its name comes first on the path (a
     job's package named `jobs`, as the launcher's own)."""
+    found = found.resolve()
     for entry in sys.path:
         package = Path(entry or ".").resolve().joinpath(*parts[:-1])
         try:
             has_it = (package / f"{parts[-1]}.py").is_file() or (package / parts[-1]).is_dir()
         except OSError:  # (a path entry this user may not read)
             continue
-        if has_it and package != found.resolve():
+        if has_it and package != found:
             return f"; {package}/ has it, but comes later on the path: rename that package"
     return ""
 

@@ -101,7 +101,7 @@ def save(run_dir: Path, step: int, model: torch.nn.Module, train_state: dict[str
         return final
     wait_for_background(background)  # every rank's part of the save before: any rank's error is every rank's
     # rank 0 makes the temp dir before any rank starts: DCP makes its folder in there on every rank
-    on_rank_0(lambda: _fresh(run_dir / CHECKPOINTS_DIR / f".tmp-{step}"), describe=describe)
+    on_rank_0(lambda: _fresh(_tmp_dir(run_dir, step)), describe=describe)
     mine = (model, state) if is_main else (None, None)  # the other ranks write their shards only
     every_rank(lambda: write(*mine, moments) if background is None else background.start(step, *mine, write, moments),
                describe=describe)
@@ -122,7 +122,7 @@ def _write(run_dir: Path, step: int, model: torch.nn.Module | HostWeights | None
     its weights copied to host memory (launcher/train/background_save.py). With `moments` (strategy=fsdp) every
     rank enters: each writes its shards, and the others' part ends there (`model` None)."""
     root = run_dir / CHECKPOINTS_DIR
-    tmp, final = root / f".tmp-{step}", step_dir(run_dir, step)
+    tmp, final = _tmp_dir(run_dir, step), step_dir(run_dir, step)
     if moments is None:
         _fresh(tmp)
         shard_sums = {}
@@ -147,6 +147,11 @@ def _write(run_dir: Path, step: int, model: torch.nn.Module | HostWeights | None
         if old not in (also_keep, step):  # marker first: a dir half deleted (NFS keeps files in use) is none
             (step_dir(run_dir, old) / MARKER).unlink(missing_ok=True)  # (a resume deletes what is left)
             shutil.rmtree(step_dir(run_dir, old), ignore_errors=True)  # the save stands
+
+
+def _tmp_dir(run_dir: Path, step: int) -> Path:
+    """Where the checkpoint of `step` is written before its rename to step_dir (_resume_point deletes leftovers)."""
+    return run_dir / CHECKPOINTS_DIR / f".tmp-{step}"
 
 
 def _fresh(tmp: Path) -> None:

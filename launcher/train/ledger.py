@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from launcher.rundir import complete_steps
+from launcher.rundir import CHECKPOINTS_DIR, complete_steps
 from launcher.train.sync_check import host_side
 
 
@@ -55,9 +55,9 @@ class StepLedger:
     """The host's view of the agreed step flags: skipped steps, the scheduler, the stop request."""
 
     def __init__(self, progress: Progress, scheduler: torch.optim.lr_scheduler.LRScheduler, max_bad_steps: int,
-                 checkpoints: Path):
+                 run_dir: Path):
         self.progress, self.scheduler, self.max_bad_steps = progress, scheduler, max_bad_steps
-        self.checkpoints = checkpoints
+        self.run_dir = run_dir
         self.pending: HostCopy | None = None
         self.stop = False  # some rank was asked to stop (preemption): every rank stops at the same step
 
@@ -79,7 +79,7 @@ class StepLedger:
             self.progress.bad_in_a_row = 0
             self.scheduler.step()
         if self.progress.bad_in_a_row >= self.max_bad_steps:  # the flags are agreed: every rank stops here
-            kept = (f"the last complete checkpoint is kept in {self.checkpoints}" if complete_steps(
-                self.checkpoints.parent) else "no checkpoint was written before them")
+            kept = (f"the last complete checkpoint is kept in {self.run_dir / CHECKPOINTS_DIR}"
+                    if complete_steps(self.run_dir) else "no checkpoint was written before them")
             raise RuntimeError(f"{self.progress.bad_in_a_row} consecutive steps had non-finite gradients "
                                f"(train.max_bad_steps={self.max_bad_steps}); {kept}")

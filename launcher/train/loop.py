@@ -14,7 +14,7 @@ from typing import Any, Iterable, Iterator
 import torch
 
 from launcher.preempt import StopFlag, ignore_in_data_workers
-from launcher.rundir import CHECKPOINTS_DIR, step_dir
+from launcher.rundir import step_dir
 from launcher.train import checkpoint, compiled, micro_batch, sharded_checkpoint, sharding
 from launcher.train.background_save import HostWeights
 from launcher.train.best import write_best
@@ -197,7 +197,7 @@ def record_eval(run: Run, step: int) -> bool:
 
 def step_ledger(run: Run, progress: Progress) -> StepLedger:
     """The host's late view of the steps' agreed flags, counting into `progress` (launcher/train/ledger.py)."""
-    return StepLedger(progress, run.scheduler, run.max_bad_steps, run.run_dir / CHECKPOINTS_DIR)
+    return StepLedger(progress, run.scheduler, run.max_bad_steps, run.run_dir)
 
 
 def save_checkpoint(run: Run, progress: Progress, final_eval: dict[str, float] | None = None,
