@@ -235,3 +235,19 @@ def test_a_model_written_in_place_over_the_default_is_told_where_its_extra_keys_
         "error: model.in_features comes from model=mlp (conf/model/mlp.yaml), the option under the model._target_ your "
         "config sets (myjob.cls.Net takes no in_features): write yours as a model option of its own and choose it "
         "(model=<name>, or `- override /model: <name>` in an experiment's defaults)"))
+
+
+def test_an_option_of_one_s_own_named_like_the_launcher_s_is_told_to_be_renamed(own_repo: Path) -> None:
+    """Hydra reads conf/model/mlp.yaml before ~/myjobs/conf/model/mlp.yaml: the launcher's mlp trained, in silence.
+    Now exit 2 before any process starts; the same text in both (a copied conf/) changes nothing and trains."""
+    ours, run_dir = REPO / "conf" / "model" / "mlp.yaml", own_repo / "run"
+    (own_repo / "conf" / "model" / "mlp.yaml").write_text(ours.read_text().replace("hidden: 32", "hidden: 7"))
+    toy = ("-cd", str(own_repo / "conf"), "+exp=toy", "train.max_steps=1", f"hydra.run.dir={run_dir}")
+    out = run_cli(*toy, cwd=REPO)
+    assert (out.returncode, out.stderr.strip()) == (2, (
+        f"error: model=mlp: {own_repo}/conf/model/mlp.yaml is not what this run reads: Hydra reads {ours}, which "
+        f"comes first on its search path; give yours a name of its own (model/<name>.yaml) and choose model=<name>"))
+    assert not run_dir.exists()
+    (own_repo / "conf" / "model" / "mlp.yaml").write_text(ours.read_text())
+    out = run_cli(*toy, cwd=REPO)
+    assert out.returncode == 0, out.stderr[-3000:]
