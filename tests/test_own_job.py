@@ -60,6 +60,11 @@ class ExtraSums(Blobs):
         return {**super().eval_sums(model, batch), "margin": torch.tensor(0.5)}
 
 
+class ExtraSumsAndAMean(ExtraSums):
+    def loss_sum(self, model, batch):
+        return nn.functional.cross_entropy(model(batch["x"]), batch["y"])  # reduction="mean", as torch's default
+
+
 class TupleCollate(Blobs):
     def collate(self, samples):
         return tuple(super().collate(samples).values())
@@ -137,14 +142,19 @@ def launch(repo: Path, *overrides: str, path: bool = True):
 
 def test_a_job_of_one_s_own_trains_from_its_own_repo(own_repo: Path) -> None:
     """launch.json records the job repo's git state beside the launcher's, its uncommitted change in job.git.diff.
-    (Its eval_sums returns a sum its eval_sum_keys do not name: said once, as it is neither added up nor logged.)"""
+    Its eval_sums returns a sum its eval_sum_keys do not name, and its loss_sum is a mean (torch's default
+    reduction): each said once before the first step, as the one is neither added up nor logged and the other
+    trains with a learning rate that shrinks with the micro-batch."""
     revision = committed(own_repo)
     with open(own_repo / "myjob" / "cls.py", "a") as f:
         f.write("# tried this afternoon\n")
-    out = launch(own_repo, "data._target_=myjob.cls.ExtraSums")
+    out = launch(own_repo, "data._target_=myjob.cls.ExtraSumsAndAMean")
     assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stderr.count("warning: data._target_=myjob.cls.ExtraSums: its eval_sums returned margin, which its "
-                            "eval_sum_keys do not name: not added up, not reported") == 1, out.stderr
+    job = "warning: data._target_=myjob.cls.ExtraSumsAndAMean"
+    assert out.stderr.count(f"{job}: its eval_sums returned margin, which its eval_sum_keys do not name: not added up, "
+                            f"not reported") == 1, out.stderr
+    assert len(re.findall(rf"{job}: its loss_sum gave [\d.]+ for train samples 0 and 1 together and [\d.]+ for each "
+                          rf"alone, added up: a mean\? Return the sum", out.stderr)) == 1, out.stderr
     assert (own_repo / "run" / "checkpoints" / "8" / "COMPLETE").is_file()
     record = json.loads((own_repo / "run" / "launch.json").read_text())  # what the same command needs again
     assert record["env"]["PYTHONPATH"] == f"{own_repo}:{REPO}" and "-cd" in record["command"], record
@@ -225,6 +235,7 @@ def test_parameters_no_loss_uses_are_told_by_the_key_that_allows_them(own_repo: 
                     r"dist.find_unused_parameters=true", line), out.stderr[-3000:]
     fixed = launch(own_repo, "model._target_=myjob.cls.WithASpareHead", "dist.find_unused_parameters=true")
     assert fixed.returncode == 0, fixed.stderr[-3000:]  # (the same run dir: the failed start left no checkpoint)
+    assert "a mean?" not in fixed.stderr  # Blobs' loss_sum sums
 
 
 def test_a_model_written_in_place_over_the_default_is_told_where_its_extra_keys_come_from(own_repo: Path) -> None:

@@ -42,6 +42,7 @@ from launcher.train.data import DataPlan, seed_all
 from launcher.train.evaluation import probe_eval
 from launcher.train.job import build_part, check_task
 from launcher.train.loop import train
+from launcher.train.loss_check import probe_loss_sum
 from launcher.train.metrics import RunLog
 from launcher.train.orphan import end_with_the_agent
 from launcher.train.phases import phase
@@ -220,6 +221,7 @@ def build_and_train(cfg: DictConfig, path: Path, env: launcher_dist.DistEnv, sto
     run = build(cfg, path.parent, env)
     if run.task.eval_set is not None:  # every rank: a mistake in the job's eval parts is told now, not after training
         probe_eval(run, cfg.data._target_)
+    probe_loss_sum(run, cfg.data._target_)  # every rank: a loss_sum that is a mean trains, wrongly
     state = None
     if cfg.resume.mode != "never":
         if checkpoint.complete_steps(path.parent):

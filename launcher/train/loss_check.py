@@ -1,0 +1,55 @@
+"""Whether the job's loss_sum sums: one that returns a mean trains, on a gradient that depends on the split.
+
+The step divides the summed loss by the items of the whole step on all ranks (launcher/train/step.py); a loss_sum
+that is already a mean (HF's `outputs.loss`, `reduction="mean"`) is divided twice: its learning rate shrinks with
+the micro-batch and its gradient changes with the world size and accumulation, with nothing said. Tried before the
+first step on the first two train samples: their loss together against each one's alone, added up. A loss whose
+samples meet (in-batch negatives) differs too, by design: hence a warning, not an error.
+Exercised by: tests/test_own_job.py.
+"""
+from __future__ import annotations
+
+import math
+from contextlib import nullcontext
+from typing import TYPE_CHECKING
+
+import torch
+
+from launcher.task import to_device
+from launcher.train.data import random_streams_kept
+
+if TYPE_CHECKING:
+    from launcher.train.run import Run
+
+TOLERANCE = 0.05  # a mean of two is 0.5x the sum; padding and autocast move a sum by far less
+
+
+@torch.no_grad()
+def probe_loss_sum(run: Run, target: str) -> None:
+    """Warn (rank 0) when loss_sum of train samples 0 and 1 together is not the sum of each one's alone. Every rank
+    runs the same three forwards (strategy=fsdp's gather weights in each); the random streams are left as they were,
+    and each collate starts from the same state (a job's collate may draw)."""
+    task, module, device = run.task, run.module, run.env.device
+    if len(task.train_set) < 2:
+        return
+    samples = [task.train_set[0], task.train_set[1]]
+
+    def loss_of(batch: list) -> float:
+        with random_streams_kept(device):
+            return float(task.loss_sum(module, to_device(task.collate(batch), device)))
+
+    module.eval()  # no dropout, and BatchNorm's running statistics: a sample's loss does not depend on its batch
+    try:
+        with run.precision.autocast(), \
+                torch.compiler.set_stance("force_eager") if run.compile_watch.enabled else nullcontext():
+            together, alone = loss_of(samples), [loss_of([sample]) for sample in samples]
+    finally:
+        module.train()
+    apart = sum(alone)
+    if not all(map(math.isfinite, [together, apart])) or abs(together - apart) <= TOLERANCE * max(
+            abs(together), abs(apart), 1e-12):
+        return
+    run.log.warn(f"warning: data._target_={target}: its loss_sum gave {together:.4g} for train samples 0 and 1 "
+                 f"together and {apart:.4g} for each alone, added up: a mean? Return the sum over the batch's items "
+                 f"(reduction='sum'): the launcher divides by count_items over the step on all ranks (a loss whose "
+                 f"samples meet, such as in-batch negatives, differs by design)")
