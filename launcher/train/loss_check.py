@@ -3,8 +3,8 @@
 The step divides the summed loss by the items of the whole step on all ranks (launcher/train/step.py); a loss_sum
 that is already a mean (HF's `outputs.loss`, `reduction="mean"`) is divided twice: its learning rate shrinks with
 the micro-batch and its gradient changes with the world size and accumulation, with nothing said. Tried before the
-first step on the first two train samples: their loss together against each one's alone, added up. A loss whose
-samples meet (in-batch negatives) differs too, by design: hence a warning, not an error.
+first step on the first two train samples: their loss together against each one's alone, added up, about half of
+it for a mean. A warning, not an error: what a job's loss may be cannot all be foreseen.
 Exercised by: tests/test_own_job.py.
 """
 from __future__ import annotations
@@ -21,12 +21,15 @@ from launcher.train.data import random_streams_kept
 if TYPE_CHECKING:
     from launcher.train.run import Run
 
-TOLERANCE = 0.05  # a mean of two is 0.5x the sum; padding and autocast move a sum by far less
+# A fresh model's loss is about the same for each item: a mean of two (items, or tokens of two samples) is about
+# half the two alone, added up; a sum is about equal to it (padding and autocast move it by far less). Only that
+# signature is told: a collate that augments at random, or samples that meet, move the ratio elsewhere.
+MEAN_OF_TWO = (0.3, 0.7)
 
 
 @torch.no_grad()
 def probe_loss_sum(run: Run, target: str) -> None:
-    """Warn (rank 0) when loss_sum of train samples 0 and 1 together is not the sum of each one's alone. Every rank
+    """Warn (rank 0) when loss_sum of train samples 0 and 1 together is about half each one's alone. Every rank
     runs the same three forwards (strategy=fsdp's gather weights in each); the random streams are left as they were,
     and each collate starts from the same state (a job's collate may draw)."""
     task, module, device = run.task, run.module, run.env.device
@@ -46,10 +49,9 @@ def probe_loss_sum(run: Run, target: str) -> None:
     finally:
         module.train()
     apart = sum(alone)
-    if not all(map(math.isfinite, [together, apart])) or abs(together - apart) <= TOLERANCE * max(
-            abs(together), abs(apart), 1e-12):
+    if not (math.isfinite(together) and math.isfinite(apart) and apart and
+            MEAN_OF_TWO[0] <= together / apart <= MEAN_OF_TWO[1]):
         return
     run.log.warn(f"warning: data._target_={target}: its loss_sum gave {together:.4g} for train samples 0 and 1 "
                  f"together and {apart:.4g} for each alone, added up: a mean? Return the sum over the batch's items "
-                 f"(reduction='sum'): the launcher divides by count_items over the step on all ranks (a loss whose "
-                 f"samples meet, such as in-batch negatives, differs by design)")
+                 f"(reduction='sum'): the launcher divides by count_items over the step on all ranks")
