@@ -53,15 +53,7 @@ def train(run: Run, progress: Progress, stop: StopFlag, final_eval: dict[str, fl
         if best_now and run.env.is_main:  # its checkpoint (the resumed one) is the best
             run.best.write(run.run_dir)
         progress.eval_due = False
-    windows = StepWindows(run.task, run.data_plan, run.env.rank, run.env.world_size, run.grad_accum_steps,
-                          same_count=sharding.is_sharded(run.model))
-    in_data_workers = partial(ignore_in_data_workers, signals=stop.signals)
-    loader = (AutoPrefetch(run.env.device, run.prefetch_factor, in_data_workers, run.log.info)
-              if run.num_workers == "auto" else
-              partial(window_loader, num_workers=run.num_workers, pin_memory=run.env.device.type == "cuda",
-                      persistent_workers=run.persistent_workers, prefetch_factor=run.prefetch_factor,
-                      worker_init_fn=in_data_workers))
-    stream = WindowStream(windows, progress.step, run.max_steps, loader)
+    stream = window_stream(run, progress, stop)
     meter = Meter(run.env.device, training_flops_per_item(run.module),
                   peak_flops(run.env.device, run.precision.name, run.precision.tf32), run.env.rank, run.env.world_size)
     ledger = step_ledger(run, progress)
@@ -102,25 +94,8 @@ def train(run: Run, progress: Progress, stop: StopFlag, final_eval: dict[str, fl
 
         if log_now or eval_now or ckpt_now or ledger.stop:  # these wait for the GPU anyway: read this step's
             ledger.settle()                                 # flags now, so what they record is exact
-        if log_now:  # every rank: the meter sums tokens
-            run.watchdog.at("log", step)
-            record = {"step": step, "epoch": run.data_plan.epoch_of(step - 1), **meter.read()}  # the interval ends
-            with meter.left_out():  # the host's work of logging (trackers, first imports) is no step's time
-                record.update(micro_batch_size=run.micro_batch_size, grad_accum_steps=run.grad_accum_steps,
-                              lr=run.scheduler.get_last_lr()[0], grad_norm=result.grad_norm.item(),
-                              skipped_steps=progress.skipped_steps)
-                if run.scaler.is_enabled():
-                    record["loss_scale"] = run.scaler.get_scale()
-                if run.compile_watch.enabled:  # every rank: a recompile on any rank stalls them all
-                    compiles = run.compile_watch.read()
-                    run.compile_cache.saved(compiles["compiled_graphs"])  # this rank's new graphs, for the next start
-                    compile_counts, warnings = compiled.combine(all_gather_objects(compiles))
-                    record.update(compile_counts)
-                    for warning in warnings:
-                        run.log.warn(f"step {step}: {warning}")
-                progress.last_loss = record["loss"]
-                run.log.metrics(record, run.max_steps)
-
+        if log_now:  # every rank: the meter sums tokens, the compile counts are gathered
+            compile_counts = log_interval(run, progress, meter, result.grad_norm)
         if ledger.stop:  # agreed by all ranks, read by all at the same step
             progress.eval_due = bool(eval_now)  # no time for it now: the next start evaluates these weights
             save_checkpoint(run, progress, complete=True)
@@ -142,20 +117,66 @@ def train(run: Run, progress: Progress, stop: StopFlag, final_eval: dict[str, fl
     summary = {"steps": progress.step, "final_loss": progress.last_loss, "preempted": preempted,
                "resumed_from": resumed_from, "wall_time_s": wall,
                "samples_per_sec": (progress.samples - resumed_samples) / wall if wall else 0.0,
-               "world_size": run.env.world_size, "grad_accum_steps": run.grad_accum_steps,
-               "micro_batch_size": run.micro_batch_size,
-               "precision": run.precision.name, "skipped_steps": progress.skipped_steps,
-               "restarts": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)), "config_hash": run.config_hash,
-               "peak_mem_mb": peak_memory_mb(run.env.device), "started_unix_time": run.log.start,
-               "first_step_unix_time": first_step_at, "compiled": run.compile_watch.enabled,
-               "compile_cache": run.compile_cache.kind if run.compile_watch.enabled else None, **compile_counts,
-               "strategy": "fsdp" if sharding.is_sharded(run.module) else "ddp",
-               "state_bytes_per_rank": sharding.state_bytes(run.module, run.optimizer),
-               **run.sync_check.summary()}
-    if preempted:
-        return summary
-    # A start after the final save (workers restarted on their way out) finds the run's end in it; a preemption's
-    # checkpoint of the last step holds no eval
+               "skipped_steps": progress.skipped_steps, "first_step_unix_time": first_step_at, **compile_counts, **run_facts(run)}
+    if not preempted:
+        finish(run, progress, summary, final_eval)
+    return summary
+
+
+def window_stream(run: Run, progress: Progress, stop: StopFlag) -> WindowStream:
+    """The steps' windows from progress.step on, through data.num_workers' loader (auto: AutoPrefetch's)."""
+    windows = StepWindows(run.task, run.data_plan, run.env.rank, run.env.world_size, run.grad_accum_steps,
+                          same_count=sharding.is_sharded(run.model))
+    in_data_workers = partial(ignore_in_data_workers, signals=stop.signals)
+    loader = (AutoPrefetch(run.env.device, run.prefetch_factor, in_data_workers, run.log.info)
+              if run.num_workers == "auto" else
+              partial(window_loader, num_workers=run.num_workers, pin_memory=run.env.device.type == "cuda",
+                      persistent_workers=run.persistent_workers, prefetch_factor=run.prefetch_factor,
+                      worker_init_fn=in_data_workers))
+    return WindowStream(windows, progress.step, run.max_steps, loader)
+
+
+def log_interval(run: Run, progress: Progress, meter: Meter, grad_norm: torch.Tensor) -> dict[str, int]:
+    """Every rank: the interval's record (rank 0 writes it); the compile counts of all ranks, where compiled."""
+    step = progress.step
+    run.watchdog.at("log", step)
+    record = {"step": step, "epoch": run.data_plan.epoch_of(step - 1), **meter.read()}  # the interval ends
+    compile_counts: dict[str, int] = {}
+    with meter.left_out():  # the host's work of logging (trackers, first imports) is no step's time
+        record.update(micro_batch_size=run.micro_batch_size, grad_accum_steps=run.grad_accum_steps,
+                      lr=run.scheduler.get_last_lr()[0], grad_norm=grad_norm.item(),
+                      skipped_steps=progress.skipped_steps)
+        if run.scaler.is_enabled():
+            record["loss_scale"] = run.scaler.get_scale()
+        if run.compile_watch.enabled:  # every rank: a recompile on any rank stalls them all
+            compiles = run.compile_watch.read()
+            run.compile_cache.saved(compiles["compiled_graphs"])  # this rank's new graphs, for the next start
+            compile_counts, warnings = compiled.combine(all_gather_objects(compiles))
+            record.update(compile_counts)
+            for warning in warnings:
+                run.log.warn(f"step {step}: {warning}")
+        progress.last_loss = record["loss"]
+        run.log.metrics(record, run.max_steps)
+    return compile_counts
+
+
+def run_facts(run: Run) -> dict[str, Any]:
+    """What the summary says of how the run trained, besides its progress."""
+    return {"world_size": run.env.world_size, "grad_accum_steps": run.grad_accum_steps,
+            "micro_batch_size": run.micro_batch_size, "precision": run.precision.name,
+            "restarts": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)), "config_hash": run.config_hash,
+            "peak_mem_mb": peak_memory_mb(run.env.device), "started_unix_time": run.log.start,
+            "compiled": run.compile_watch.enabled,
+            "compile_cache": run.compile_cache.kind if run.compile_watch.enabled else None,
+            "strategy": "fsdp" if sharding.is_sharded(run.module) else "ddp",
+            "state_bytes_per_rank": sharding.state_bytes(run.module, run.optimizer), **run.sync_check.summary()}
+
+
+def finish(run: Run, progress: Progress, summary: dict[str, Any], final_eval: dict[str, float] | None) -> None:
+    """The run's end (not a preemption's): the final eval, the final save and summary.json, into `summary`.
+    A start after the final save (workers restarted on their way out) finds the run's end in its checkpoint
+    (`final_eval`); a preemption's checkpoint of the last step holds no eval."""
+    resumed_from = summary["resumed_from"]
     ended_before = final_eval is not None and progress.step == resumed_from
     if ended_before:
         summary["eval"] = final_eval
@@ -182,7 +203,6 @@ def train(run: Run, progress: Progress, stop: StopFlag, final_eval: dict[str, fl
     # No rank ends before rank 0 has written summary.json (the trackers' end may take long: not waited for): by it
     # a node's launcher tells a signal after the last step, no stop, from one before (launcher/launch/local.py)
     run.log.summary(summary, ended_before, then=torch.distributed.barrier)
-    return summary
 
 
 def record_eval(run: Run, step: int) -> bool:
