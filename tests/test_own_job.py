@@ -62,6 +62,7 @@ class ExtraSums(Blobs):
 
 class ExtraSumsAndAMean(ExtraSums):
     def loss_sum(self, model, batch):
+        assert isinstance(model.module, nn.Module)  # the DDP-wrapped model, as README says loss_sum is given
         return nn.functional.cross_entropy(model(batch["x"]), batch["y"])  # reduction="mean", as torch's default
 
 
@@ -248,17 +249,30 @@ def test_a_model_written_in_place_over_the_default_is_told_where_its_extra_keys_
         "(model=<name>, or `- override /model: <name>` in an experiment's defaults)"))
 
 
-def test_an_option_of_one_s_own_named_like_the_launcher_s_is_told_to_be_renamed(own_repo: Path) -> None:
+def test_a_config_of_one_s_own_named_like_the_launcher_s_is_told_to_be_renamed(own_repo: Path) -> None:
     """Hydra reads conf/model/mlp.yaml before ~/myjobs/conf/model/mlp.yaml: the launcher's mlp trained, in silence.
-    Now exit 2 before any process starts; the same text in both (a copied conf/) changes nothing and trains."""
-    ours, run_dir = REPO / "conf" / "model" / "mlp.yaml", own_repo / "run"
-    (own_repo / "conf" / "model" / "mlp.yaml").write_text(ours.read_text().replace("hidden: 32", "hidden: 7"))
-    toy = ("-cd", str(own_repo / "conf"), "+exp=toy", "train.max_steps=1", f"hydra.run.dir={run_dir}")
-    out = run_cli(*toy, cwd=REPO)
-    assert (out.returncode, out.stderr.strip()) == (2, (
-        f"error: model=mlp: {own_repo}/conf/model/mlp.yaml is not what this run reads: Hydra reads {ours}, which "
-        f"comes first on its search path; give yours a name of its own (model/<name>.yaml) and choose model=<name>"))
-    assert not run_dir.exists()
-    (own_repo / "conf" / "model" / "mlp.yaml").write_text(ours.read_text())
+    Now exit 2 before any process starts, for a list group's config too (logger) and for a sweep's later point (its
+    first one trained before); the same text in both (a copied conf/) changes nothing and trains."""
+    conf, run_dir = own_repo / "conf", own_repo / "run"
+    toy = ("-cd", str(conf), "+exp=toy", "train.max_steps=1", f"hydra.run.dir={run_dir}")
+    for name, old, new in (("model/mlp", "hidden: 32", "hidden: 7"), ("logger/tensorboard", "\n", "\n# mine\n"),
+                           ("precision/fp32", "name: fp32", "name: fp32  # mine")):
+        ours, yours = REPO / "conf" / f"{name}.yaml", conf / f"{name}.yaml"
+        yours.parent.mkdir(exist_ok=True)
+        yours.write_text(ours.read_text().replace(old, new, 1))
+        group = name.split("/")[0]
+        line = (f"{yours} is not what this run reads: Hydra reads {ours}, which comes first on its search path; give "
+                f"yours a name of its own ({group}/<name>.yaml) and choose {group}=<name>")
+        if group == "precision":  # a sweep whose point 0 (precision=auto) reads none of it
+            sweep = run_cli("-m", *toy[:-1], f"hydra.sweep.dir={own_repo / 'sweep'}", "precision=auto,fp32", cwd=REPO)
+            refused = (f"error: sweep point #1 (precision=fp32): {line}; no point of the sweep ran (fix that value, or "
+                       f"leave it out of the sweep)")
+            assert (sweep.returncode, sweep.stderr.strip()) == (2, refused), sweep.stderr[-3000:]
+            assert not (own_repo / "sweep" / "0").exists()
+        else:
+            out = run_cli(*toy, cwd=REPO)
+            assert (out.returncode, out.stderr.strip()) == (2, f"error: {line}"), out.stderr[-3000:]
+            assert not run_dir.exists()
+        yours.write_text(ours.read_text())
     out = run_cli(*toy, cwd=REPO)
     assert out.returncode == 0, out.stderr[-3000:]

@@ -34,7 +34,7 @@ from launcher.launch.plan import Plan, make_plan, resolve, write_config
 from launcher.launch.resume import check_resume, finished
 from launcher.launch.run_lock import LOCK_FILE, launch_lock
 from launcher.launch.run_log import kept_in
-from launcher.launch.shadowed_config import check_shadowed_options
+from launcher.launch.shadowed_config import check_shadowed_configs
 from launcher.launch.slurm_jobs import active_job, job_goes_on
 from launcher.launch.slurm_submit import dependency, queue
 from launcher.launch.sweep_points import check_every_point
@@ -163,10 +163,10 @@ def launch_into(cfg: DictConfig, run_dir: Path) -> None:
             launch(cfg, run_dir)
 
 
-def checked_config(cfg: DictConfig, run_dir: Path) -> tuple[Plan, dict, int | None]:
+def checked_config(cfg: DictConfig, run_dir: Path, overrides: list[str] | None = None) -> tuple[Plan, dict, int | None]:
     """The parent's checks of the config itself, in order (ConfigError names the key): the plan, the resolved
-    config the workers read, and the step a resume starts from."""
-    check_shadowed_options()  # ~/myjobs/conf/model/mlp.yaml lost to conf/model/mlp.yaml in silence
+    config the workers read, and the step a resume starts from. `overrides`: a sweep point's (else this launch's)."""
+    check_shadowed_configs(overrides)  # ~/myjobs/conf/model/mlp.yaml lost to conf/model/mlp.yaml in silence
     check_targets(cfg)  # a job of one's own without PYTHONPATH failed each worker after the rendezvous
     check_known_keys(cfg)  # +train.max_step=20 would train 200 steps with a key nothing reads
     plan = make_plan(cfg)
@@ -205,9 +205,9 @@ def notes_before_the_start(plan: Plan, config: dict) -> list[str]:
     return [note for note in notes if note]
 
 
-def check_point(cfg: DictConfig, run_dir: Path) -> None:
+def check_point(cfg: DictConfig, run_dir: Path, overrides: list[str]) -> None:
     """A sweep point's checks, as its own launch makes them: a point that finished is skipped before its inputs."""
-    _, config, resume_step = checked_config(cfg, run_dir)
+    _, config, resume_step = checked_config(cfg, run_dir, overrides)
     if not finished(run_dir, config, resume_step):
         check_inputs(config, run_dir)
 

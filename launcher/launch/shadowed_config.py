@@ -1,9 +1,10 @@
-"""A config of one's own that Hydra would never read: an option in a `-cd` dir named like one of the launcher's.
+"""A config of one's own that Hydra would never read: a file in a `-cd` dir named like one of the launcher's.
 
-Hydra takes a chosen option (model=mlp) from the first dir on its search path that has it, and the launcher's conf/
-comes before a `--config-dir` (or `hydra.searchpath`) of one's own: ~/myjobs/conf/model/mlp.yaml was ignored in
-silence and the launcher's mlp trained. Refused in the parent, before any process starts, naming the rename; the
-same file in both (a copied conf/) changes nothing and passes.
+Hydra takes each config of the defaults list (model/mlp, logger/tensorboard, exp/toy) from the first dir on its search
+path that has it, and the launcher's conf/ comes before a `--config-dir` (or `hydra.searchpath`) of one's own:
+~/myjobs/conf/model/mlp.yaml was ignored in silence and the launcher's mlp trained. Refused in the parent, before any
+process starts (for each point of a sweep), naming the rename; the same file in both (a copied conf/) changes nothing
+and passes.
 Exercised by: tests/test_own_job.py.
 """
 from __future__ import annotations
@@ -13,22 +14,28 @@ from pathlib import Path
 from launcher.derived import ConfigError
 
 
-def check_shadowed_options() -> None:
-    """Raise ConfigError for the first chosen option that a later dir of Hydra's search path has with other text."""
+def check_shadowed_configs(overrides: list[str] | None = None) -> None:
+    """Raise ConfigError for the first config of the defaults list (with `overrides`: a sweep point's; else this
+    launch's) that a later dir of Hydra's search path has with other text."""
+    from hydra.core.global_hydra import GlobalHydra
     from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
 
     if not HydraConfig.initialized():
         return
-    runtime = HydraConfig.get().runtime
-    dirs = [Path(source.path) for source in runtime.config_sources if source.schema == "file" and source.path]
-    for group, option in runtime.choices.items():
-        if option is None or group.startswith("hydra/"):
+    hydra = HydraConfig.get()
+    dirs = [Path(source.path) for source in hydra.runtime.config_sources if source.schema == "file" and source.path]
+    defaults = GlobalHydra.instance().config_loader().compute_defaults_list(
+        config_name=hydra.job.config_name, run_mode=RunMode.RUN,
+        overrides=list(hydra.overrides.task) if overrides is None else overrides).defaults
+    for path in dict.fromkeys(d.config_path for d in defaults if d.config_path):  # (a config's _self_ names it again)
+        if path.startswith("hydra/"):
             continue
-        name = f"{group}/{option}.yaml"
-        found = [d / name for d in dirs if (d / name).is_file()]
-        read = found[0] if found else None
+        found = [d / f"{path}.yaml" for d in dirs if (d / f"{path}.yaml").is_file()]
         for other in found[1:]:
-            if other.read_bytes() != read.read_bytes():
-                raise ConfigError(f"{group}={option}: {other} is not what this run reads: Hydra reads {read}, which "
-                                  f"comes first on its search path; give yours a name of its own ({group}/<name>.yaml) "
-                                  f"and choose {group}=<name>")
+            if other.read_bytes() != found[0].read_bytes():
+                group, _, _ = path.rpartition("/")
+                choose = f"choose {group}=<name>" if group else "choose it with --config-name=<name>"
+                raise ConfigError(f"{other} is not what this run reads: Hydra reads {found[0]}, which comes first "
+                                  f"on its search path; give yours a name of its own ({group or '.'}/<name>.yaml) "
+                                  f"and {choose}")

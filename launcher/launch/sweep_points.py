@@ -46,9 +46,9 @@ class SweepPoints(Callback):
         POINTS.extend(list(point) for batch in batches for point in batch)
 
 
-def check_every_point(check: Callable[[DictConfig, Path], None]) -> None:
-    """At a sweep's first point: `check` (which raises ConfigError) each point's config, with its run dir; a refusal
-    names the point."""
+def check_every_point(check: Callable[[DictConfig, Path, list[str]], None]) -> None:
+    """At a sweep's first point: `check` (which raises ConfigError) each point's config, with its run dir and its
+    overrides; a refusal names the point."""
     hydra = HydraConfig.get()
     if hydra.mode != RunMode.MULTIRUN or hydra.job.num != 0 or len(POINTS) < 2:
         return
@@ -57,7 +57,7 @@ def check_every_point(check: Callable[[DictConfig, Path], None]) -> None:
     shared = set.intersection(*(set(point) for point in POINTS))  # a point is named by what it sweeps
     for num, point in enumerate(POINTS):
         try:
-            check(compose(config_name=hydra.job.config_name, overrides=point), Path(hydra.sweep.dir) / str(num))
+            check(compose(config_name=hydra.job.config_name, overrides=point), Path(hydra.sweep.dir) / str(num), point)
         except ConfigError as err:
             swept = " ".join(override for override in point if override not in shared)
             raise ConfigError(f"sweep point #{num} ({swept}): {err}; no point of the sweep ran (fix that value, or "

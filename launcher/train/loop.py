@@ -117,7 +117,7 @@ def train(run: Run, progress: Progress, stop: StopFlag, final_eval: dict[str, fl
     summary = {"steps": progress.step, "final_loss": progress.last_loss, "preempted": preempted,
                "resumed_from": resumed_from, "wall_time_s": wall,
                "samples_per_sec": (progress.samples - resumed_samples) / wall if wall else 0.0,
-               "skipped_steps": progress.skipped_steps, "first_step_unix_time": first_step_at, **compile_counts, **run_facts(run)}
+               **run_facts(run, progress, first_step_at, compile_counts)}
     if not preempted:
         finish(run, progress, summary, final_eval)
     return summary
@@ -160,14 +160,16 @@ def log_interval(run: Run, progress: Progress, meter: Meter, grad_norm: torch.Te
     return compile_counts
 
 
-def run_facts(run: Run) -> dict[str, Any]:
-    """What the summary says of how the run trained, besides its progress."""
+def run_facts(run: Run, progress: Progress, first_step_at: float | None,
+              compile_counts: dict[str, int]) -> dict[str, Any]:
+    """What the summary says of how the run trained, besides its progress and speed."""
+    compiled = run.compile_watch.enabled
     return {"world_size": run.env.world_size, "grad_accum_steps": run.grad_accum_steps,
             "micro_batch_size": run.micro_batch_size, "precision": run.precision.name,
-            "restarts": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)), "config_hash": run.config_hash,
-            "peak_mem_mb": peak_memory_mb(run.env.device), "started_unix_time": run.log.start,
-            "compiled": run.compile_watch.enabled,
-            "compile_cache": run.compile_cache.kind if run.compile_watch.enabled else None,
+            "skipped_steps": progress.skipped_steps, "restarts": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)),
+            "config_hash": run.config_hash, "peak_mem_mb": peak_memory_mb(run.env.device),
+            "started_unix_time": run.log.start, "first_step_unix_time": first_step_at, "compiled": compiled,
+            "compile_cache": run.compile_cache.kind if compiled else None, **compile_counts,
             "strategy": "fsdp" if sharding.is_sharded(run.module) else "ddp",
             "state_bytes_per_rank": sharding.state_bytes(run.module, run.optimizer), **run.sync_check.summary()}
 

@@ -4,7 +4,8 @@ The step divides the summed loss by the items of the whole step on all ranks (la
 that is already a mean (HF's `outputs.loss`, `reduction="mean"`) is divided twice: its learning rate shrinks with
 the micro-batch and its gradient changes with the world size and accumulation, with nothing said. Tried before the
 first step on the first two train samples: their loss together against each one's alone, added up, about half of
-it for a mean. A warning, not an error: what a job's loss may be cannot all be foreseen.
+it for a mean. A warning, not an error: what a job's loss may be cannot all be foreseen (a sum plus a term per batch
+that outweighs it on a fresh model looks like a mean too).
 Exercised by: tests/test_own_job.py.
 """
 from __future__ import annotations
@@ -32,22 +33,24 @@ def probe_loss_sum(run: Run, target: str) -> None:
     """Warn (rank 0) when loss_sum of train samples 0 and 1 together is about half each one's alone. Every rank
     runs the same three forwards (strategy=fsdp's gather weights in each); the random streams are left as they were,
     and each collate starts from the same state (a job's collate may draw)."""
-    task, module, device = run.task, run.module, run.env.device
+    task, device = run.task, run.env.device
     if len(task.train_set) < 2:
         return
-    samples = [task.train_set[0], task.train_set[1]]
 
-    def loss_of(batch: list) -> float:
-        with random_streams_kept(device):
-            return float(task.loss_sum(module, to_device(task.collate(batch), device)))
+    def loss_of(indices: list[int]) -> float:
+        with random_streams_kept(device):  # (a dataset may draw as it reads, a collate as it batches)
+            batch = task.collate([task.train_set[i] for i in indices])
+            return float(task.loss_sum(run.model, to_device(batch, device)))  # the model the step hands it
 
-    module.eval()  # no dropout, and BatchNorm's running statistics: a sample's loss does not depend on its batch
+    run.module.eval()  # no dropout, and BatchNorm's running statistics: a sample's loss does not depend on its batch
     try:
         with run.precision.autocast(), \
                 torch.compiler.set_stance("force_eager") if run.compile_watch.enabled else nullcontext():
-            together, alone = loss_of(samples), [loss_of([sample]) for sample in samples]
+            together, alone = loss_of([0, 1]), [loss_of([0]), loss_of([1])]
+    except Exception:  # noqa: BLE001 - a loss that takes no batch of one, or is no number: the step tells its own
+        return         # error (every rank reads the same samples, so all return here alike)
     finally:
-        module.train()
+        run.module.train()
     apart = sum(alone)
     if not (math.isfinite(together) and math.isfinite(apart) and apart and
             MEAN_OF_TWO[0] <= together / apart <= MEAN_OF_TWO[1]):
