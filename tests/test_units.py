@@ -115,10 +115,9 @@ def test_schedules() -> None:
 
 
 def test_worker_environment_per_plan_and_put_back(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
-    """A CPU plan's workers see no GPU; a CUDA plan's record their collectives in NCCL's flight recorder and
-    dump it into the run dir, under the names this torch reads (CI runs this on torch 2.6 too), unless the
-    user set them. The parent gets its own environment back, so the next point of a local -m sweep (the
-    same process) still plans with the GPUs."""
+    """A CPU plan's workers see no GPU; a CUDA plan's record their collectives in NCCL's flight recorder and dump it
+    into the run dir, under the names this torch reads (CI runs this on torch 2.6 too), unless the user set them. The
+    parent gets its own environment back: the next point of a local -m sweep (the same process) plans with the GPUs."""
     from launcher.launch.local import environment, worker_env
     from launcher.launch.plan import Plan
 
@@ -130,10 +129,12 @@ def test_worker_environment_per_plan_and_put_back(monkeypatch: pytest.MonkeyPatc
     prefix = "TORCH_NCCL_" if torch.__version__.split("+")[0] in ("2.6.0", "2.7.0", "2.7.1") else "TORCH_FR_"
     names = ("BUFFER_SIZE", "DUMP_TEMP_FILE") if prefix == "TORCH_FR_" else ("TRACE_BUFFER_SIZE", "DEBUG_INFO_TEMP_FILE")
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.delenv("TORCHINDUCTOR_COMPILE_THREADS", raising=False)
     monkeypatch.setenv("LAUNCHER_LAUNCH_TIME", "1234.5")  # (python -m launcher sets it when it starts)
-    # the workers end with this process, count their start-up from the launch and share the cores
-    agent = {"LAUNCHER_AGENT_PID": str(os.getpid()), "LAUNCHER_LAUNCH_TIME": "1234.5",
-             "OMP_NUM_THREADS": str(max(1, len(os.sched_getaffinity(0)) // 2))}
+    # the workers end with this process, count their start-up from the launch and share the cores (compiling too)
+    share = str(max(1, len(os.sched_getaffinity(0)) // 2))
+    agent = {"LAUNCHER_AGENT_PID": str(os.getpid()), "LAUNCHER_LAUNCH_TIME": "1234.5", "OMP_NUM_THREADS": share,
+             "TORCHINDUCTOR_COMPILE_THREADS": share}
     assert worker_env(cpu, tmp_path) == {**agent, "CUDA_VISIBLE_DEVICES": ""}
     assert worker_env(cuda, tmp_path) == {**agent, "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True",
                                           "TORCH_NCCL_DUMP_ON_TIMEOUT": "1", prefix + names[0]: "2000",
@@ -141,8 +142,9 @@ def test_worker_environment_per_plan_and_put_back(monkeypatch: pytest.MonkeyPatc
     monkeypatch.setenv("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", "/scratch/fr_")  # the user's, in the older spelling
     monkeypatch.setenv(prefix + names[0], "0")  # the user's: no recording
     monkeypatch.setenv("PYTORCH_ALLOC_CONF", "garbage_collection_threshold:0.8")  # the user's, newer spelling
-    monkeypatch.setenv("OMP_NUM_THREADS", "3")  # the user's own threads per worker
-    assert worker_env(cuda, tmp_path) == {**{k: v for k, v in agent.items() if k != "OMP_NUM_THREADS"},
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")  # the user's own threads per worker, and compile workers:
+    monkeypatch.setenv("TORCHINDUCTOR_COMPILE_THREADS", "8")
+    assert worker_env(cuda, tmp_path) == {**{k: v for k, v in agent.items() if not k.endswith("_THREADS")},
                                           "TORCH_NCCL_DUMP_ON_TIMEOUT": "1"}
     for before in (None, "0,1"):
         if before is None:

@@ -121,7 +121,8 @@ def worker_env(plan: Plan, run_dir: Path) -> dict[str, str]:
     """What the agent's workers get on top of this process's environment (a user's own setting wins).
 
     Every worker learns the agent's pid, so that it ends with this process (launcher/train/orphan.py), and its
-    share of the node's cores as OMP_NUM_THREADS (the launcher's first line says how many). A CPU
+    share of the node's cores as OMP_NUM_THREADS (the launcher's first line says how many) and as inductor's compile
+    workers. A CPU
     plan's workers get CUDA_VISIBLE_DEVICES="": they never see, or initialise, a GPU. A CUDA plan's
     workers get the CUDA allocator's expandable segments, and NCCL's flight recorder (each rank's last 2000
     collectives; torch records none before 2.11 unless told) dumps into <run_dir>/comm_traces/ when a collective
@@ -132,6 +133,11 @@ def worker_env(plan: Plan, run_dir: Path) -> dict[str, str]:
     threads = threads_per_worker(plan)
     if threads:  # else torchrun sets 1 for several workers, with a banner that says to tune it
         env["OMP_NUM_THREADS"] = str(threads)
+    # Inductor's compile workers: each rank starts min(32, the node's cores) of its own (pytorch#190941), on every start
+    # of a compiled run, a warm cache's too: 8 ranks, 256 processes importing torch beside their trace. Each rank gets its
+    # share of the cores instead (1: it compiles in its own process)
+    if "TORCHINDUCTOR_COMPILE_THREADS" not in os.environ:
+        env["TORCHINDUCTOR_COMPILE_THREADS"] = str(max(1, usable_cores() // plan.nproc_per_node))
     if plan.device_type == "cpu":
         return {**env, "CUDA_VISIBLE_DEVICES": ""}
     # Expandable segments: less fragmentation, so fewer out-of-memory errors at a size that fits. The old
