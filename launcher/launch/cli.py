@@ -163,7 +163,8 @@ def launch_into(cfg: DictConfig, run_dir: Path) -> None:
             launch(cfg, run_dir)
 
 
-def checked_config(cfg: DictConfig, run_dir: Path, overrides: list[str] | None = None) -> tuple[Plan, dict, int | None]:
+def checked_config(cfg: DictConfig, run_dir: Path,
+                   overrides: list[str] | None = None) -> tuple[Plan, dict, int | None]:
     """The parent's checks of the config itself, in order (ConfigError names the key): the plan, the resolved
     config the workers read, and the step a resume starts from. `overrides`: a sweep point's (else this launch's)."""
     check_shadowed_configs(overrides)  # ~/myjobs/conf/model/mlp.yaml lost to conf/model/mlp.yaml in silence

@@ -122,8 +122,7 @@ def worker_env(plan: Plan, run_dir: Path) -> dict[str, str]:
 
     Every worker learns the agent's pid, so that it ends with this process (launcher/train/orphan.py), and its
     share of the node's cores as OMP_NUM_THREADS (the launcher's first line says how many) and as inductor's compile
-    workers. A CPU
-    plan's workers get CUDA_VISIBLE_DEVICES="": they never see, or initialise, a GPU. A CUDA plan's
+    workers. A CPU plan's workers get CUDA_VISIBLE_DEVICES="": they never see, or initialise, a GPU. A CUDA plan's
     workers get the CUDA allocator's expandable segments, and NCCL's flight recorder (each rank's last 2000
     collectives; torch records none before 2.11 unless told) dumps into <run_dir>/comm_traces/ when a collective
     times out, under the variables' names that this torch reads (launcher/compat.py).

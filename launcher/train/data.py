@@ -145,10 +145,12 @@ def random_streams_kept(device: torch.device) -> Iterator[None]:
     """What runs inside draws from no stream of this process's (torch's, the device's, Python's, numpy's): the
     job's parts tried before the first step leave the run's randomness as it would be without them."""
     python, numpy = random.getstate(), np.random.get_state()
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-        yield
-    random.setstate(python)
-    np.random.set_state(numpy)
+    try:  # (also when what runs inside raises: launcher/train/loss_check.py goes on without its probe)
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            yield
+    finally:
+        random.setstate(python)
+        np.random.set_state(numpy)
 
 
 def seed_worker_for(seed: int) -> None:
