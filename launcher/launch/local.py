@@ -132,9 +132,9 @@ def worker_env(plan: Plan, run_dir: Path) -> dict[str, str]:
     threads = threads_per_worker(plan)
     if threads:  # else torchrun sets 1 for several workers, with a banner that says to tune it
         env["OMP_NUM_THREADS"] = str(threads)
-    # Inductor's compile workers: each rank starts min(32, the node's cores) of its own (pytorch#190941), on every start
-    # of a compiled run, a warm cache's too: 8 ranks, 256 processes importing torch beside their trace. Each rank gets its
-    # share of the cores instead (1: it compiles in its own process)
+    # Inductor's compile workers: each rank starts min(32, the node's cores) of its own (pytorch#190941), at every
+    # start of a compiled run, a warm cache's too: 8 ranks, 256 processes importing torch beside their trace. Each
+    # rank gets its share of the cores instead (1: it compiles in its own process)
     if "TORCHINDUCTOR_COMPILE_THREADS" not in os.environ:
         env["TORCHINDUCTOR_COMPILE_THREADS"] = str(max(1, usable_cores() // plan.nproc_per_node))
     if plan.device_type == "cpu":
