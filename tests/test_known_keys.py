@@ -69,4 +69,4 @@ def test_a_target_s_parameters_come_from_its_source_without_importing_it() -> No
     assert {"n_samples", "lazy", "seed"} <= target_parameters("jobs.toy.ToyRegression")
     assert "jobs.toy" not in sys.modules
     assert "lr" in target_parameters("torch.optim.AdamW") and target_parameters("jobs.nowhere.Thing") is None
-    assert target_parameters("launcher.launch.known_keys.check_known_keys") == {"cfg"}
+    assert target_parameters("launcher.launch.known_keys.check_known_keys") == {"cfg", "configs"}

@@ -241,12 +241,17 @@ def test_parameters_no_loss_uses_are_told_by_the_key_that_allows_them(own_repo: 
 
 def test_a_model_written_in_place_over_the_default_is_told_where_its_extra_keys_come_from(own_repo: Path) -> None:
     """It was `model.out_features is a key nothing reads ... did you mean data.out_features?`: keys the user never
-    wrote, from model=mlp underneath."""
+    wrote, from model=mlp underneath. Told so for a sweep's later point too, whose own option the check reads (it read
+    point 0's: model=net)."""
+    line = ("model.in_features comes from model=mlp (conf/model/mlp.yaml), the option under the model._target_ your "
+            "config sets (myjob.cls.Net takes no in_features): write yours as a model option of its own and choose it "
+            "(model=<name>, or `- override /model: <name>` in an experiment's defaults)")
     out = run_cli("-cd", str(own_repo / "conf"), "+exp=inline", cwd=REPO, PYTHONPATH=f"{own_repo}:{REPO}")
-    assert (out.returncode, out.stderr.strip()) == (2, (
-        "error: model.in_features comes from model=mlp (conf/model/mlp.yaml), the option under the model._target_ your "
-        "config sets (myjob.cls.Net takes no in_features): write yours as a model option of its own and choose it "
-        "(model=<name>, or `- override /model: <name>` in an experiment's defaults)"))
+    assert (out.returncode, out.stderr.strip()) == (2, f"error: {line}")
+    sweep = run_cli("-m", "-cd", str(own_repo / "conf"), "+exp=myjob,inline", f"hydra.sweep.dir={own_repo / 'sweep'}",
+                    cwd=REPO, PYTHONPATH=f"{own_repo}:{REPO}")
+    assert (sweep.returncode, sweep.stderr.strip()) == (2, f"error: sweep point #1 (+exp=inline): {line}; no point of "
+                                                           f"the sweep ran (fix that value, or leave it out of the sweep)")
 
 
 def test_a_config_of_one_s_own_named_like_the_launcher_s_is_told_to_be_renamed(own_repo: Path) -> None:

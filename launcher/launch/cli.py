@@ -34,7 +34,7 @@ from launcher.launch.plan import Plan, make_plan, resolve, write_config
 from launcher.launch.resume import check_resume, finished
 from launcher.launch.run_lock import LOCK_FILE, launch_lock
 from launcher.launch.run_log import kept_in
-from launcher.launch.shadowed_config import check_shadowed_configs
+from launcher.launch.shadowed_config import check_shadowed_configs, chosen_configs
 from launcher.launch.slurm_jobs import active_job, job_goes_on
 from launcher.launch.slurm_submit import dependency, queue
 from launcher.launch.sweep_points import check_every_point
@@ -167,9 +167,10 @@ def checked_config(cfg: DictConfig, run_dir: Path,
                    overrides: list[str] | None = None) -> tuple[Plan, dict, int | None]:
     """The parent's checks of the config itself, in order (ConfigError names the key): the plan, the resolved
     config the workers read, and the step a resume starts from. `overrides`: a sweep point's (else this launch's)."""
-    check_shadowed_configs(overrides)  # ~/myjobs/conf/model/mlp.yaml lost to conf/model/mlp.yaml in silence
+    configs = chosen_configs(overrides)
+    check_shadowed_configs(configs)  # ~/myjobs/conf/model/mlp.yaml lost to conf/model/mlp.yaml in silence
     check_targets(cfg)  # a job of one's own without PYTHONPATH failed each worker after the rendezvous
-    check_known_keys(cfg)  # +train.max_step=20 would train 200 steps with a key nothing reads
+    check_known_keys(cfg, configs)  # +train.max_step=20 would train 200 steps with a key nothing reads
     plan = make_plan(cfg)
     check_optimizer(cfg.optimizer)  # optimizer.weight_decay=abc failed every rank, naming no key
     if plan.nnodes > 1 and cfg.launcher.name == "local":

@@ -33,25 +33,24 @@ HYDRA_KEYS = {"_target_", "_partial_", "_convert_", "_recursive_", "_args_"}
 GIVEN_BY_THE_WORKER = {"params"}  # the optimizer's parameters: the worker passes them
 
 
-def check_known_keys(cfg: DictConfig) -> None:
-    """Raise ConfigError naming the first key nothing takes, and the closest key that is taken."""
+def check_known_keys(cfg: DictConfig, configs: list[str] | None = None) -> None:
+    """Raise ConfigError naming the first key nothing takes, and the closest key that is taken. `configs`: the
+    defaults list's (launcher/launch/shadowed_config.py), which tells each group's option."""
     _check_dataclass(cfg, cfg, schema.Config, "")
     for group in TARGET_GROUPS:
         node = cfg.get(group)
         if isinstance(node, DictConfig) and isinstance(node.get("_target_"), str):
             taken = target_parameters(node._target_)
             if taken is not None:
-                _refuse_a_default_underneath(group, node, taken)
+                _refuse_a_default_underneath(group, node, taken, configs or [])
                 _refuse_unknown(cfg, group, [str(k) for k in node if k not in HYDRA_KEYS],
                                 taken - GIVEN_BY_THE_WORKER, f"{node._target_} takes")
 
 
-def _refuse_a_default_underneath(group: str, node: DictConfig, taken: set[str]) -> None:
+def _refuse_a_default_underneath(group: str, node: DictConfig, taken: set[str], configs: list[str]) -> None:
     """An experiment that writes its own model (or data) in place, without choosing it: Hydra merges it over the
     group's default option, whose keys its target does not take (model.hidden of model=mlp under torch.nn.Linear)."""
-    from hydra.core.hydra_config import HydraConfig
-
-    choice = HydraConfig.get().runtime.choices.get(group) if HydraConfig.initialized() else None
+    choice = next((path.split("/", 1)[1] for path in configs if path.startswith(f"{group}/")), None)
     default = _raw(OmegaConf.load(CONF_DIR / group / f"{choice}.yaml")) if (
         choice and (CONF_DIR / group / f"{choice}.yaml").is_file()) else {}
     if default.get("_target_") in (None, node._target_):

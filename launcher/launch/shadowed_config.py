@@ -14,23 +14,34 @@ from pathlib import Path
 from launcher.derived import ConfigError
 
 
-def check_shadowed_configs(overrides: list[str] | None = None) -> None:
-    """Raise ConfigError for the first config of the defaults list (with `overrides`: a sweep point's; else this
-    launch's) that a later dir of Hydra's search path has with other text."""
+def chosen_configs(overrides: list[str] | None = None) -> list[str] | None:
+    """The configs of the defaults list, as Hydra's search path names them (model/mlp, logger/tensorboard, exp/toy;
+    not Hydra's own), with `overrides` (a sweep point's: the launch's Hydra config is point 0's in the up-front check
+    of every point), else this launch's; None outside a Hydra app."""
     from hydra.core.global_hydra import GlobalHydra
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
     if not HydraConfig.initialized():
-        return
+        return None
     hydra = HydraConfig.get()
-    dirs = [Path(source.path) for source in hydra.runtime.config_sources if source.schema == "file" and source.path]
     defaults = GlobalHydra.instance().config_loader().compute_defaults_list(
         config_name=hydra.job.config_name, run_mode=RunMode.RUN,
         overrides=list(hydra.overrides.task) if overrides is None else overrides).defaults
-    for path in dict.fromkeys(d.config_path for d in defaults if d.config_path):  # (a config's _self_ names it again)
-        if path.startswith("hydra/"):
-            continue
+    paths = dict.fromkeys(d.config_path for d in defaults if d.config_path)  # (a config's _self_ names it again)
+    return [path for path in paths if not path.startswith("hydra/")]
+
+
+def check_shadowed_configs(configs: list[str] | None) -> None:
+    """Raise ConfigError for the first of `configs` (chosen_configs) that a later dir of Hydra's search path has with
+    other text."""
+    from hydra.core.hydra_config import HydraConfig
+
+    if configs is None:
+        return
+    sources = HydraConfig.get().runtime.config_sources
+    dirs = [Path(source.path) for source in sources if source.schema == "file" and source.path]
+    for path in configs:
         found = [d / f"{path}.yaml" for d in dirs if (d / f"{path}.yaml").is_file()]
         for other in found[1:]:
             if other.read_bytes() != found[0].read_bytes():
