@@ -250,8 +250,9 @@ def test_a_model_written_in_place_over_the_default_is_told_where_its_extra_keys_
     assert (out.returncode, out.stderr.strip()) == (2, f"error: {line}")
     sweep = run_cli("-m", "-cd", str(own_repo / "conf"), "+exp=myjob,inline", f"hydra.sweep.dir={own_repo / 'sweep'}",
                     cwd=REPO, PYTHONPATH=f"{own_repo}:{REPO}")
-    assert (sweep.returncode, sweep.stderr.strip()) == (2, f"error: sweep point #1 (+exp=inline): {line}; no point of "
-                                                           f"the sweep ran (fix that value, or leave it out of the sweep)")
+    refused = f"error: sweep point #1 (+exp=inline): {line}; no point of the sweep ran (fix that value, or leave it " \
+              f"out of the sweep)"
+    assert (sweep.returncode, sweep.stderr.strip()) == (2, refused)
 
 
 def test_a_config_of_one_s_own_named_like_the_launcher_s_is_told_to_be_renamed(own_repo: Path) -> None:
