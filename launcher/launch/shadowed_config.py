@@ -4,7 +4,7 @@ Hydra takes each config of the defaults list (model/mlp, logger/tensorboard, exp
 path that has it, and the launcher's conf/ comes before a `--config-dir` (or `hydra.searchpath`) of one's own:
 ~/myjobs/conf/model/mlp.yaml was ignored in silence and the launcher's mlp trained. Refused in the parent, before any
 process starts (for each point of a sweep), naming the rename; the same file in both (a copied conf/) changes nothing
-and passes.
+and passes. The defaults list (chosen_configs) also tells launcher/launch/known_keys.py each group's option.
 Exercised by: tests/test_own_job.py.
 """
 from __future__ import annotations
