@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import numbers
 from collections.abc import Mapping
-from contextlib import nullcontext
-from typing import TYPE_CHECKING
+from contextlib import contextmanager, nullcontext
+from typing import TYPE_CHECKING, Iterator
 
 import torch
 
@@ -28,13 +28,9 @@ def probe_eval(run: Run, target: str) -> None:
     with train.eval_every=0 after the last step, before its checkpoint: the whole run lost. ConfigError names the
     part. The random streams are left as they were (a job's collate may draw from them)."""
     task, job = run.task, f"data._target_={target}"
-    module = run.module
-    module.eval()
-    with random_streams_kept(run.env.device), run.precision.autocast(), \
-            torch.compiler.set_stance("force_eager") if run.compile_watch.enabled else nullcontext():
+    with eval_mode(run), random_streams_kept(run.env.device), run.precision.autocast():
         samples = [task.eval_set[i] for i in range(min(2, len(task.eval_set)))]  # (a dataset may draw as it reads)
-        sums = task.eval_sums(module, to_device(task.collate(samples), run.env.device))
-    module.train()
+        sums = task.eval_sums(run.module, to_device(task.collate(samples), run.env.device))
     if not isinstance(sums, Mapping):
         raise ConfigError(f"{job}: its eval_sums returned a {type(sums).__name__}; return a dict of sums named by "
                           f"its eval_sum_keys ({', '.join(task.eval_sum_keys)})")
@@ -74,16 +70,23 @@ def evaluate(run: Run) -> dict[str, float]:
     """Exact metrics: each rank sums over its disjoint share, one all-reduce adds the sums."""
     if run.task.eval_set is None:
         return {}
-    module = run.module  # the bare module: DDP's forward could enter collectives unevenly here (FSDP's module
-    # enters its all-gathers in every forward: every rank runs as many as rank 0)
-    module.eval()
-    # Blocks compiled in place (strategy=fsdp, train.compile_scope=block: launcher/train/compiled.py) would compile
-    # again for the eval's no_grad forwards, for the eval alone: they run eagerly, as the bare module of a whole
-    # compiled model does
-    with torch.compiler.set_stance("force_eager") if run.compile_watch.enabled else nullcontext():
-        metrics = _sums(run, module)
-    module.train()
-    return metrics
+    # the bare module: DDP's forward could enter collectives unevenly here (FSDP's module enters its all-gathers in
+    # every forward: every rank runs as many as rank 0)
+    with eval_mode(run):
+        return _sums(run, run.module)
+
+
+@contextmanager
+def eval_mode(run: Run) -> Iterator[None]:
+    """The model in eval mode (no dropout, BatchNorm's running statistics), then in train mode again. Blocks compiled
+    in place (strategy=fsdp, train.compile_scope=block: launcher/train/compiled.py) would compile again for no_grad
+    forwards, for those alone: they run eagerly, as the bare module of a whole compiled model does."""
+    run.module.eval()
+    try:
+        with torch.compiler.set_stance("force_eager") if run.compile_watch.enabled else nullcontext():
+            yield
+    finally:
+        run.module.train()
 
 
 def _sums(run: Run, module: torch.nn.Module) -> dict[str, float]:

@@ -11,13 +11,13 @@ Exercised by: tests/test_own_job.py.
 from __future__ import annotations
 
 import math
-from contextlib import nullcontext
 from typing import TYPE_CHECKING
 
 import torch
 
 from launcher.task import to_device
 from launcher.train.data import random_streams_kept
+from launcher.train.evaluation import eval_mode
 
 if TYPE_CHECKING:
     from launcher.train.run import Run
@@ -42,15 +42,11 @@ def probe_loss_sum(run: Run, target: str) -> None:
             batch = task.collate([task.train_set[i] for i in indices])
             return float(task.loss_sum(run.model, to_device(batch, device)))  # the model the step hands it
 
-    run.module.eval()  # no dropout, and BatchNorm's running statistics: a sample's loss does not depend on its batch
-    try:
-        with run.precision.autocast(), \
-                torch.compiler.set_stance("force_eager") if run.compile_watch.enabled else nullcontext():
+    try:  # in eval mode, a sample's loss does not depend on its batch (no dropout, BatchNorm's running statistics)
+        with eval_mode(run), run.precision.autocast():
             together, alone = loss_of([0, 1]), [loss_of([0]), loss_of([1])]
     except Exception:  # noqa: BLE001 - a loss that takes no batch of one, or is no number: the step tells its own
         return         # error (every rank reads the same samples, so all return here alike)
-    finally:
-        run.module.train()
     apart = sum(alone)
     if not (math.isfinite(together) and math.isfinite(apart) and apart and
             MEAN_OF_TWO[0] <= together / apart <= MEAN_OF_TWO[1]):
