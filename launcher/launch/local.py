@@ -112,8 +112,11 @@ def rendezvous_endpoint(rendezvous: list[str]) -> str:
 def threads_per_worker(plan: Plan) -> int | None:
     """The intra-op threads of each worker: this node's cores shared out among its workers (None: the user's own
     OMP_NUM_THREADS stands)."""
-    if "OMP_NUM_THREADS" in os.environ:
-        return None
+    return None if "OMP_NUM_THREADS" in os.environ else cores_each(plan)
+
+
+def cores_each(plan: Plan) -> int:
+    """This node's cores shared out among its workers (at least one each)."""
     return max(1, usable_cores() // plan.nproc_per_node)
 
 
@@ -136,7 +139,7 @@ def worker_env(plan: Plan, run_dir: Path) -> dict[str, str]:
     # start of a compiled run, a warm cache's too: 8 ranks, 256 processes importing torch beside their trace. Each
     # rank gets its share of the cores instead (1: it compiles in its own process)
     if "TORCHINDUCTOR_COMPILE_THREADS" not in os.environ:
-        env["TORCHINDUCTOR_COMPILE_THREADS"] = str(max(1, usable_cores() // plan.nproc_per_node))
+        env["TORCHINDUCTOR_COMPILE_THREADS"] = str(cores_each(plan))
     if plan.device_type == "cpu":
         return {**env, "CUDA_VISIBLE_DEVICES": ""}
     # Expandable segments: less fragmentation, so fewer out-of-memory errors at a size that fits. The old
