@@ -18,6 +18,7 @@ from safetensors.torch import load_file
 from conftest import assert_same_float64_weights, read_metrics, run_cli
 from helpers import assert_params_close
 from launcher.rundir import complete_steps
+from launcher.train.memory_trial import out_of_memory_in
 from launcher.train.micro_batch import MICRO_BATCH_FILE, OUT_OF_MEMORY_EXIT_CODE, halved, sizes_to_try
 from launcher.train.sharded_micro_batch import first_to_try
 
@@ -80,6 +81,34 @@ def test_fsdp_s_first_size_to_try_is_on_the_line_through_two_small_trials() -> N
     assert first_to_try(sizes, peaks, accumulating, usable=2200) == 4  # 6: 2000 + 300 held between micro-batches
     assert first_to_try(sizes, {1: 1000, 2: 900}, lambda size: 0, usable=1000) == 12  # a peak that does not grow
     assert first_to_try(sizes, peaks, lambda size: 0, usable=500) == 1  # none: the smallest, whose trial says so
+
+
+def test_running_out_while_torch_compile_compiles_is_running_out() -> None:
+    """inductor's autotuning (train.compile_mode=max-autotune) runs kernels while it compiles, and dynamo raises
+    what runs out there inside its own error: the step, the probe and the worker's exit take it as running out (it
+    once ended the run as a failed compile). A real torch.compile, whose backend runs out here as autotuning would."""
+    def runs_out(graph, inputs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    def fails(graph, inputs):
+        raise RuntimeError("a backend's own failure")
+
+    raised = {}
+    for backend in (runs_out, fails):
+        torch._dynamo.reset()
+        with pytest.raises(Exception) as error:
+            torch.compile(lambda t: (t.sin() * 2).sum(), backend=backend)(torch.ones(4))
+        raised[backend] = error.value
+    assert not isinstance(raised[runs_out], torch.OutOfMemoryError)  # what an except of it alone missed
+    assert str(out_of_memory_in(raised[runs_out])) == "CUDA out of memory. Tried to allocate 2.00 GiB"
+    assert out_of_memory_in(raised[fails]) is None
+    try:  # an error raised while running out was handled is that error (the probe's line for one sample)
+        try:
+            raise torch.OutOfMemoryError("out")
+        except torch.OutOfMemoryError:
+            raise RuntimeError("even for one sample") from None
+    except RuntimeError as other:
+        assert out_of_memory_in(other) is None
 
 
 def test_probe_takes_the_largest_size_that_fits_on_every_rank(tmp_path: Path, fixed) -> None:

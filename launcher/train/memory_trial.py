@@ -26,6 +26,21 @@ def memory_report(device: torch.device) -> str:
             f"{torch.cuda.memory_allocated(device) / 2**30:.1f} GiB held by this rank")
 
 
+def out_of_memory_in(error: BaseException) -> torch.OutOfMemoryError | None:
+    """`error` if it is running out of memory, or the one torch.compile wrapped: inductor's autotuning
+    (train.compile_mode=max-autotune) runs candidate kernels while it compiles, and dynamo raises what runs out
+    there as a BackendCompilerFailed around it (its inner_exception), which an except of OutOfMemoryError misses:
+    the run then ended as a failed compile where a smaller micro-batch would fit."""
+    seen: set[int] = set()
+    while error is not None and id(error) not in seen:
+        if isinstance(error, torch.OutOfMemoryError):
+            return error
+        seen.add(id(error))
+        error = getattr(error, "inner_exception", None) or error.__cause__  # what wraps says so (not __context__:
+        # an error raised while an out-of-memory was handled is that other error)
+    return None
+
+
 def free_memory(device: torch.device) -> None:
     gc.collect()  # an out-of-memory traceback's frames may still hold the step's activations
     if device.type == "cuda":

@@ -23,7 +23,8 @@ from launcher.preempt import OUT_OF_MEMORY_EXIT_CODE
 from launcher.rundir import CHECKPOINTS_DIR, write_atomically
 from launcher.task import to_device
 from launcher.train.dist import all_gather_objects, on_rank_0
-from launcher.train.memory_trial import forward_backward, free_memory, memory_report, moments_to_come, usable_bytes
+from launcher.train.memory_trial import (forward_backward, free_memory, memory_report, moments_to_come,
+                                         out_of_memory_in, usable_bytes)
 from launcher.train.sharded_micro_batch import probe_in_step
 from launcher.train.sync_check import host_side
 
@@ -105,7 +106,9 @@ def trial(run: Run, size: int, state_bytes: int) -> str | None:
     usable = usable_bytes(device) if device.type == "cuda" else 0.0
     try:
         peak = forward_backward(run, size, gradient_sync=False)
-    except torch.OutOfMemoryError:
+    except Exception as error:  # (the first trial compiles, where train.compile is on)
+        if out_of_memory_in(error) is None:
+            raise
         peak = -1
     if peak == -1:  # (outside the except block: its traceback, and the activations it holds, are gone)
         run.optimizer.zero_grad(set_to_none=True)
@@ -213,7 +216,9 @@ def drop_step(run: Run, step: int) -> None:
         with run.precision.autocast():
             loss = run.task.loss_sum(run.model, one) * 0.0
         loss.backward()
-    except torch.OutOfMemoryError:  # with the step's memory freed: this rank cannot train at all
+    except Exception as error:  # with the step's memory freed: this rank cannot train at all
+        if out_of_memory_in(error) is None:
+            raise
         raise RuntimeError(f"train.micro_batch_size=auto: rank {run.env.rank} ran out of memory at step {step} even "
                            f"for one sample ({memory_report(run.env.device)}); the last complete checkpoint is kept "
                            f"in {run.run_dir / CHECKPOINTS_DIR}; {SMALLER}") from None

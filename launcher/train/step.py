@@ -19,6 +19,7 @@ from launcher.train import sharding
 from launcher.train.data import Window
 from launcher.train.dist import all_reduce_sum
 from launcher.train.ledger import StepLedger
+from launcher.train.memory_trial import out_of_memory_in
 from launcher.train.micro_batch import OutOfMemoryAgreement
 from launcher.train.precision import Precision
 from launcher.train.straggler import ComputeTimer
@@ -49,9 +50,9 @@ def train_step(model: DDP | torch.nn.Module, task: Task, window: Window, optimiz
     timer.start()  # this rank's compute before it waits for the others (straggler metric)
     try:
         last_loss, loss_sum = forward_until_sync(model, task, window.micro_batches, weights, scale, scaler, precision)
-    except torch.OutOfMemoryError:
-        if not out_of_memory.redoes:  # a fixed size, or strategy=fsdp: the worker exits (micro_batch.exit_out_of_memory)
-            raise
+    except Exception as error:  # running out, also where torch.compile compiles the first step (memory_trial.py)
+        if not (out_of_memory.redoes and out_of_memory_in(error)):  # a fixed size, or strategy=fsdp: the worker
+            raise  # exits (micro_batch.exit_out_of_memory); any other error is no business of this step
         last_loss = None  # the traceback, and the activations its frames hold, go with this block
     timer.stop()  # the last backward waits for every rank's gradients
     if out_of_memory.any_rank_ran_out(last_loss is None):  # agreed before the step's one gradient all-reduce

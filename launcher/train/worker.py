@@ -43,6 +43,7 @@ from launcher.train.evaluation import probe_eval
 from launcher.train.job import build_part, check_task
 from launcher.train.loop import train
 from launcher.train.loss_check import probe_loss_sum
+from launcher.train.memory_trial import out_of_memory_in
 from launcher.train.metrics import RunLog
 from launcher.train.orphan import end_with_the_agent
 from launcher.train.phases import phase
@@ -245,8 +246,11 @@ def build_and_train(cfg: DictConfig, path: Path, env: launcher_dist.DistEnv, sto
             else:
                 phase(path.parent, env.is_main, "first step")
             summary = train(run, progress, stop, state and state.get("final_eval"))
-        except torch.OutOfMemoryError as error:  # where a step (or an fsdp trial) cannot be redone: exit for a restart
-            micro_batch.exit_out_of_memory(run, error)
+        except Exception as error:  # running out where a step (or an fsdp trial) cannot be redone: exit for a restart
+            out_of_memory = out_of_memory_in(error)  # (also one that torch.compile wrapped: memory_trial.py)
+            if out_of_memory is None:
+                raise
+            micro_batch.exit_out_of_memory(run, out_of_memory)
         finally:  # a run that ends in an error still writes its save in flight, before the exit takes down the
             if run.background_save is not None:  # process groups that strategy=fsdp's writers use
                 run.background_save.finish()
