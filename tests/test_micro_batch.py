@@ -102,13 +102,14 @@ def test_running_out_while_torch_compile_compiles_is_running_out() -> None:
     assert not isinstance(raised[runs_out], torch.OutOfMemoryError)  # what an except of it alone missed
     assert str(out_of_memory_in(raised[runs_out])) == "CUDA out of memory. Tried to allocate 2.00 GiB"
     assert out_of_memory_in(raised[fails]) is None
-    try:  # an error raised while running out was handled is that error (the probe's line for one sample)
-        try:
-            raise torch.OutOfMemoryError("out")
-        except torch.OutOfMemoryError:
-            raise RuntimeError("even for one sample") from None
-    except RuntimeError as other:
-        assert out_of_memory_in(other) is None
+    for chained in (None, True):  # the launcher's own error raised while running out was handled is that error
+        try:  # (the probe's line for one sample; every rank's copy of a checkpoint writer's error, from it)
+            try:
+                raise torch.OutOfMemoryError("out")
+            except torch.OutOfMemoryError as out:
+                raise RuntimeError("the launcher's own line") from (out if chained else None)
+        except RuntimeError as other:
+            assert out_of_memory_in(other) is None
 
 
 def test_probe_takes_the_largest_size_that_fits_on_every_rank(tmp_path: Path, fixed) -> None:

@@ -7,6 +7,7 @@ from contextlib import nullcontext
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch._dynamo.exc import TorchDynamoException  # (DDP imports torch._dynamo too)
 
 from launcher.task import Task, to_device
 from launcher.train import sharding
@@ -27,17 +28,19 @@ def memory_report(device: torch.device) -> str:
 
 
 def out_of_memory_in(error: BaseException) -> torch.OutOfMemoryError | None:
-    """`error` if it is running out of memory, or the one torch.compile wrapped: inductor's autotuning
+    """`error` if it is running out of memory, or the one inside torch.compile's error: inductor's autotuning
     (train.compile_mode=max-autotune) runs candidate kernels while it compiles, and dynamo raises what runs out
-    there as a BackendCompilerFailed around it (its inner_exception), which an except of OutOfMemoryError misses:
-    the run then ended as a failed compile where a smaller micro-batch would fit."""
-    seen: set[int] = set()
-    while error is not None and id(error) not in seen:
+    there inside a BackendCompilerFailed (its inner_exception), which an except of OutOfMemoryError misses: with
+    train.compile=true the run then ended as a failed compile where a smaller micro-batch would fit (under auto,
+    dynamo's suppress_errors runs that code eagerly instead, torch saying why). Only torch.compile's wrappers are
+    looked into: an error of the launcher's raised from running out (every rank's copy of a checkpoint
+    writer's error, launcher/train/dist.py) stays what it says."""
+    for _ in range(8):  # (each wrapper holds the next: a few deep at most)
         if isinstance(error, torch.OutOfMemoryError):
             return error
-        seen.add(id(error))
-        error = getattr(error, "inner_exception", None) or error.__cause__  # what wraps says so (not __context__:
-        # an error raised while an out-of-memory was handled is that other error)
+        if not isinstance(error, TorchDynamoException):
+            return None
+        error = getattr(error, "inner_exception", None) or error.__cause__
     return None
 
 
