@@ -12,7 +12,8 @@ from torch import nn
 
 
 def MLP(in_features: int, hidden: int, out_features: int, depth: int = 2, dtype: str = "float32",
-        host_read: bool = False, dropout: float = 0.0, batch_norm: bool = False) -> nn.Module:
+        host_read: bool = False, dropout: float = 0.0, batch_norm: bool = False,
+        untraceable: bool = False) -> nn.Module:
     layers: list[nn.Module] = []
     width = in_features
     for _ in range(depth - 1):
@@ -22,8 +23,27 @@ def MLP(in_features: int, hidden: int, out_features: int, depth: int = 2, dtype:
                    *([nn.Dropout(dropout)] if dropout else [])]
         width = hidden
     layers.append(nn.Linear(width, out_features))
-    # tests: host_read reads a value of the outputs on the host in the forward, which breaks a compiled graph
-    return (HostReadingSequential if host_read else nn.Sequential)(*layers).to(getattr(torch, dtype))
+    # tests: host_read reads a value of the outputs on the host in the forward, which breaks a compiled graph;
+    # untraceable ends the forward in an op that torch.compile cannot trace
+    kind = HostReadingSequential if host_read else UntraceableSequential if untraceable else nn.Sequential
+    return kind(*layers).to(getattr(torch, dtype))
+
+
+@torch.library.custom_op("toy::untraceable", mutates_args=())
+def untraceable_op(x: torch.Tensor) -> torch.Tensor:
+    """tests (model.untraceable): an op of the job's own without the fake implementation (torch.library's
+    register_fake) that torch.compile traces it with, as a custom kernel may come."""
+    return x.clone()
+
+
+untraceable_op.register_autograd(lambda ctx, grad: grad)
+
+
+class UntraceableSequential(nn.Sequential):
+    """An MLP whose forward ends in an op torch.compile cannot trace (dynamo fails on the whole forward)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return untraceable_op(super().forward(x))
 
 
 class HostReadingSequential(nn.Sequential):

@@ -4,6 +4,7 @@ dir instead of compiling them again. Real launches of the toy job on 2 gloo rank
 from __future__ import annotations
 
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -82,23 +83,44 @@ def test_visible_devices_read_as_cuda_reads_them_and_no_nvml_falls_back_to_torch
 
 
 @pytest.mark.slow
-def test_a_machine_that_cannot_compile_trains_eagerly_under_auto_with_one_line(tmp_path: Path) -> None:
-    """What the parent writes for a GPU plan (train.compile=auto chose to compile), run on the CPU with no C++
-    compiler for inductor: every rank finds it before building the model and trains eagerly."""
-    run_dir = tmp_path / "run"
-    config = write_run_config(run_dir, "+exp=toy", "train.max_steps=20")
+def auto_compiling_on_the_cpu(run_dir: Path, *overrides: str, **env: str) -> subprocess.CompletedProcess:
+    """What the parent writes for a GPU plan (train.compile=auto chose to compile), its 2 workers run on the CPU."""
+    config = write_run_config(run_dir, "+exp=toy", "train.max_steps=20", *overrides)
     text = config.read_text()
     assert text.count("compile: false") == 2  # train.compile and plan.auto.compile
     config.write_text(text.replace("compile: false", "compile: true"))
-    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m",
-                          "launcher.train.worker", str(config)], env=subprocess_env(CXX=str(tmp_path / "no-compiler"),
-                                                                  TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "cache")),
-                         capture_output=True, text=True, timeout=300)
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m",
+                           "launcher.train.worker", str(config)], env=subprocess_env(**env), capture_output=True,
+                          text=True, timeout=300)
+
+
+def test_a_machine_that_cannot_compile_trains_eagerly_under_auto_with_one_line(tmp_path: Path) -> None:
+    """With no C++ compiler for inductor: every rank finds it before building the model and trains eagerly."""
+    run_dir = tmp_path / "run"
+    out = auto_compiling_on_the_cpu(run_dir, CXX=str(tmp_path / "no-compiler"),
+                                    TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "cache"))
     assert out.returncode == 0, out.stderr[-3000:]
     said = [line for line in out.stdout.splitlines() if line.startswith("train.compile=auto")]
     assert len(said) == 1 and said[0].startswith("train.compile=auto: training eagerly, as rank 0 cannot compile ("), said
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["compiled"] is False and summary["steps"] == 20
+
+
+def test_a_model_that_cannot_compile_trains_eagerly_under_auto_with_one_line(tmp_path: Path) -> None:
+    """A forward with an op dynamo cannot trace (a custom op without a fake implementation): under auto that code
+    trains eagerly (torch's suppress_errors), and where dynamo logs a traceback of about 190 lines on every rank, the
+    run says one line. (train.compile=true: a one-line error, tests/test_compile.py.)"""
+    run_dir = tmp_path / "run"
+    out = auto_compiling_on_the_cpu(run_dir, "model.untraceable=true")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "WON'T CONVERT" not in out.stderr and "Traceback" not in out.stderr, out.stderr[-3000:]
+    said = [line for line in (out.stdout + out.stderr).splitlines() if "train.compile=auto" in line]
+    assert len(said) == 1, said
+    assert re.search(r"step \d+: warning: train\.compile=auto: torch\.compile failed on rank \d in forward at "
+                     r"\S+jobs/toy\.py:\d+: There was no fake impl registered for <CustomOpDef\(toy::untraceable\)>.*; "
+                     r"that code trains eagerly; train\.compile=false says so at once", said[0]), said
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps"] == 20 and summary["compiled_graphs"] == 0, summary
 
 
 def start(run_dir: Path, *overrides: str, **env: str) -> subprocess.Popen:

@@ -7,6 +7,7 @@ and says when and why it compiled again. Exercised by: `python -m launcher +exp=
 """
 from __future__ import annotations
 
+import logging
 import os
 import re
 import traceback
@@ -102,13 +103,18 @@ def what_failed(error: BaseException) -> tuple[BaseException, str]:
     return cause, (lines[0] if lines else type(cause).__name__)[:200]
 
 
-def failure_line(error: BaseException, fullgraph: bool) -> str:
-    """What went wrong (the inner error, where torch wraps one) and where in the user's code."""
-    _, what = what_failed(error)
+def user_place(error: BaseException) -> str:
+    """ at <file>:<line>: the line of the user's code that dynamo names in its error, or ''."""
     text = str(error)
     user_code = text.split("from user code:")[-1] if "from user code:" in text else ""
     places = [(f, n) for f, n in re.findall(r'File "([^"]+)", line (\d+)', user_code) if not f.startswith(TORCH_DIR)]
-    where = f" at {places[-1][0]}:{places[-1][1]}" if places else ""
+    return f" at {places[-1][0]}:{places[-1][1]}" if places else ""
+
+
+def failure_line(error: BaseException, fullgraph: bool) -> str:
+    """What went wrong (the inner error, where torch wraps one) and where in the user's code."""
+    _, what = what_failed(error)
+    where = user_place(error)
     if fullgraph and isinstance(error, (Unsupported, UserError)):  # UserError is an Unsupported only in older torch
         return (f"train.compile_fullgraph=true and torch.compile met a graph break{where}: {what}; make that "
                 f"code traceable, or drop train.compile_fullgraph (the break then runs that code eagerly)")
@@ -116,11 +122,53 @@ def failure_line(error: BaseException, fullgraph: bool) -> str:
             f"TORCHDYNAMO_VERBOSE=1 for torch's whole report")
 
 
-class CompileWatch:
-    """This rank's compile counters since the last log; a no-op without train.compile."""
+class EagerFallbacks(logging.Filter):
+    """train.compile=auto: what dynamo fails to compile runs eagerly (torch._dynamo.config.suppress_errors), and
+    dynamo logs each such failure with its whole traceback (about 190 lines for an op it cannot trace), on every
+    rank. Each is kept as one line for the next log's warnings (CompileWatch); TORCHDYNAMO_VERBOSE=1 keeps torch's."""
 
-    def __init__(self, enabled: bool, mode: str | None = None):
-        self.enabled, self.cuda_graphs = enabled, mode in CUDA_GRAPH_MODES
+    LOGGER = "torch._dynamo.convert_frame"  # where dynamo says "WON'T CONVERT <code> <file> line <n>"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.failures: list[str] = []
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        said = re.match(r"WON'T CONVERT (\S+) (.+) line (\d+)", record.getMessage())
+        if not said or not record.exc_info or os.environ.get("TORCHDYNAMO_VERBOSE") == "1":
+            return True
+        error = record.exc_info[1]
+        where = user_place(error) or f" at {said[2]}:{said[3]}"  # the line in the code dynamo gave up on
+        self.failures.append(f"{said[1]}{where}: {what_failed(first_cause(error))[1]}")
+        return False
+
+
+def first_cause(error: BaseException) -> BaseException:
+    """The error that the others wrap or were raised while handling: dynamo's own say little ("RuntimeError when
+    making fake tensor call" where an op has no fake implementation, which the first one names)."""
+    for _ in range(8):  # (a few deep at most)
+        inner = getattr(error, "inner_exception", None) or error.__cause__ or error.__context__
+        if inner is None:
+            break
+        error = inner
+    return error
+
+
+def eager_where_compiling_fails() -> EagerFallbacks:
+    """train.compile=auto chose to compile: code that dynamo fails to compile trains eagerly, said in one line."""
+    torch._dynamo.config.suppress_errors = True
+    fallbacks = EagerFallbacks()
+    logging.getLogger(EagerFallbacks.LOGGER).addFilter(fallbacks)
+    return fallbacks
+
+
+class CompileWatch:
+    """This rank's compile counters since the last log; a no-op without train.compile. `fallbacks`: under
+    train.compile=auto, the code that trains eagerly as dynamo failed to compile it."""
+
+    def __init__(self, enabled: bool, mode: str | None = None, fallbacks: EagerFallbacks | None = None):
+        self.enabled, self.cuda_graphs, self.fallbacks, self.fallbacks_told = (enabled, mode in CUDA_GRAPH_MODES,
+                                                                              fallbacks, 0)
         self.graphs, self.breaks, self.failures, self.skips = 0, {}, {}, 0
         self.first_log = True  # the first interval compiles by design
 
@@ -143,7 +191,9 @@ class CompileWatch:
         report = {"compiled_graphs": graphs, "compiled_pieces": pieces, "graph_breaks": len(breaks),
                   "compile_cache_hits": hits,
                   "new_graphs": graphs - self.graphs, "new_breaks": new_breaks, "recompiled": recompiled,
-                  "first_log": self.first_log}
+                  "first_log": self.first_log,
+                  "new_fallbacks": self.fallbacks.failures[self.fallbacks_told:] if self.fallbacks else []}
+        self.fallbacks_told += len(report["new_fallbacks"])
         if self.cuda_graphs:  # graphs that inductor could not capture as CUDA graphs run like mode=default
             skips = utils.counters["inductor"].get("cudagraph_skips", 0)
             report.update(cudagraph_skips=skips, new_skips=skips - self.skips)
@@ -168,6 +218,12 @@ def combine(reports: list[dict[str, Any]]) -> tuple[dict[str, int], list[str]]:
             warnings.append(f"warning: torch.compile captured no CUDA graph for {report['new_skips']} graph(s) on rank "
                             f"{rank}, which run like train.compile_mode=default; TORCH_LOGS=perf_hints says why (a "
                             f"CPU device or tensor, an input changed in place, dynamic shapes)")
+        for failure in report["new_fallbacks"]:
+            if failure not in seen:
+                seen.add(failure)
+                warnings.append(f"warning: train.compile=auto: torch.compile failed on rank {rank} in {failure}; "
+                                f"that code trains eagerly; train.compile=false says so at once, train.compile=true "
+                                f"makes it an error, TORCHDYNAMO_VERBOSE=1 shows torch's report")
         for reason in report["new_breaks"]:
             if reason not in seen:
                 seen.add(reason)

@@ -37,7 +37,7 @@ from launcher.train.background_save import BackgroundSave
 from launcher.train.best import best_eval
 from launcher.train.compile_cache import CompileCache
 from launcher.train.compiled import (CompileWatch, cannot_compile, compile_blocks, compile_module,
-                                     failures_in_one_line)
+                                     eager_where_compiling_fails, failures_in_one_line)
 from launcher.train.data import DataPlan, seed_all
 from launcher.train.evaluation import probe_eval
 from launcher.train.job import build_part, check_task
@@ -79,6 +79,7 @@ def build(cfg: DictConfig, run_dir: Path, env: launcher_dist.DistEnv) -> Run:
     compile_cache = CompileCache(run_dir, env.local_rank, env.device, train_cfg.compile and train_cfg.compile_cache)
     compile_cache.load(lambda message: print(message, file=sys.stderr, flush=True))  # before anything compiles
     compiling = train_cfg.compile and not compile_turned_off(cfg, env)
+    fallbacks = eager_where_compiling_fails() if compiling and "compile" in (cfg.plan.get("auto") or {}) else None
     by_block = compiling and compiles_each_block(cfg.strategy.name, train_cfg.compile_scope)
     compile_each = (lambda found: compile_blocks(found, train_cfg, cfg.strategy.name == "fsdp")) if by_block else None
     if cfg.strategy.name == "fsdp":  # (the parent lets no DDP key or graph split through)
@@ -128,7 +129,7 @@ def build(cfg: DictConfig, run_dir: Path, env: launcher_dist.DistEnv) -> Run:
                          config=OmegaConf.to_container(cfg)),
               config_hash=config_hash(OmegaConf.to_container(cfg)),
               watchdog=Watchdog(run_dir, env.rank, cfg.dist.hang_timeout_s),
-              compile_watch=CompileWatch(compiling, train_cfg.compile_mode), compile_cache=compile_cache,
+              compile_watch=CompileWatch(compiling, train_cfg.compile_mode, fallbacks), compile_cache=compile_cache,
               sync_check=SyncCheck(train_cfg.sync_check, env.device), best=best_eval(task, train_cfg),
               background_save=BackgroundSave(env.device) if train_cfg.ckpt_async else None,
               profiler=StepProfiler(run_dir, env.rank, train_cfg.profile, list(train_cfg.profile_ranks), env.device))
@@ -163,8 +164,8 @@ def node_precision(name: str, env: launcher_dist.DistEnv) -> str:
 
 def compile_turned_off(cfg: DictConfig, env: launcher_dist.DistEnv) -> bool:
     """train.compile=auto chose to compile: a machine that cannot (no Triton, no C++ compiler) trains eagerly, said
-    in one line, every rank alike; what dynamo fails to compile in the model runs eagerly too, torch saying why
-    (torch._dynamo.config.suppress_errors). train.compile=true keeps every failure an error."""
+    in one line, every rank alike; what dynamo fails to compile in the model runs eagerly too, one line saying why
+    (compiled.eager_where_compiling_fails). train.compile=true keeps every failure an error."""
     if "compile" not in (cfg.plan.get("auto") or {}):
         return False
     reasons = launcher_dist.all_gather_objects(cannot_compile(env.device))
@@ -174,7 +175,6 @@ def compile_turned_off(cfg: DictConfig, env: launcher_dist.DistEnv) -> bool:
             print(f"train.compile=auto: training eagerly, as rank {rank} cannot compile ({reason}); "
                   f"train.compile=false says so at once, train.compile=true makes it an error", flush=True)
         return True
-    torch._dynamo.config.suppress_errors = True
     return False
 
 
