@@ -29,7 +29,8 @@ def MLP(in_features: int, hidden: int, out_features: int, depth: int = 2, dtype:
     return kind(*layers).to(getattr(torch, dtype))
 
 
-@torch.library.custom_op("toy::untraceable", mutates_args=())
+# (named by this module: a job copied from this file registers an op of its own)
+@torch.library.custom_op(f"{__name__.replace('.', '_')}::untraceable", mutates_args=())
 def untraceable_op(x: torch.Tensor) -> torch.Tensor:
     """tests (model.untraceable): an op of the job's own without the fake implementation (torch.library's
     register_fake) that torch.compile traces it with, as a custom kernel may come."""

@@ -117,7 +117,7 @@ def test_a_model_that_cannot_compile_trains_eagerly_under_auto_with_one_line(tmp
     said = [line for line in (out.stdout + out.stderr).splitlines() if "train.compile=auto" in line]
     assert len(said) == 1, said
     assert re.search(r"step \d+: warning: train\.compile=auto: torch\.compile failed on rank \d in forward at "
-                     r"\S+jobs/toy\.py:\d+: There was no fake impl registered for <CustomOpDef\(toy::untraceable\)>.*; "
+                     r"\S+jobs/toy\.py:\d+: There was no fake impl registered for <CustomOpDef\(jobs_toy::untraceable\)>.*; "
                      r"that code trains eagerly; train\.compile=false says so at once", said[0]), said
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps"] == 20 and summary["compiled_graphs"] == 0, summary

@@ -32,7 +32,7 @@ def out_of_memory_in(error: BaseException) -> torch.OutOfMemoryError | None:
     (train.compile_mode=max-autotune) runs candidate kernels while it compiles, and dynamo raises what runs out
     there inside a BackendCompilerFailed (its inner_exception), which an except of OutOfMemoryError misses: with
     train.compile=true the run then ended as a failed compile where a smaller micro-batch would fit (under auto,
-    dynamo's suppress_errors runs that code eagerly instead, torch saying why). Only torch.compile's wrappers are
+    dynamo's suppress_errors runs that code eagerly instead: compiled.EagerFallbacks). Only torch.compile's wrappers are
     looked into: an error of the launcher's raised from running out (every rank's copy of a checkpoint
     writer's error, launcher/train/dist.py) stays what it says."""
     for _ in range(8):  # (each wrapper holds the next: a few deep at most)
