@@ -82,7 +82,6 @@ def test_visible_devices_read_as_cuda_reads_them_and_no_nvml_falls_back_to_torch
         assert visible_gpus() == []
 
 
-@pytest.mark.slow
 def auto_compiling_on_the_cpu(run_dir: Path, *overrides: str, **env: str) -> subprocess.CompletedProcess:
     """What the parent writes for a GPU plan (train.compile=auto chose to compile), its 2 workers run on the CPU."""
     config = write_run_config(run_dir, "+exp=toy", "train.max_steps=20", *overrides)
@@ -94,6 +93,7 @@ def auto_compiling_on_the_cpu(run_dir: Path, *overrides: str, **env: str) -> sub
                           text=True, timeout=300)
 
 
+@pytest.mark.slow
 def test_a_machine_that_cannot_compile_trains_eagerly_under_auto_with_one_line(tmp_path: Path) -> None:
     """With no C++ compiler for inductor: every rank finds it before building the model and trains eagerly."""
     run_dir = tmp_path / "run"
@@ -101,11 +101,13 @@ def test_a_machine_that_cannot_compile_trains_eagerly_under_auto_with_one_line(t
                                     TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "cache"))
     assert out.returncode == 0, out.stderr[-3000:]
     said = [line for line in out.stdout.splitlines() if line.startswith("train.compile=auto")]
-    assert len(said) == 1 and said[0].startswith("train.compile=auto: training eagerly, as rank 0 cannot compile ("), said
+    assert len(said) == 1, said
+    assert said[0].startswith("train.compile=auto: training eagerly, as rank 0 cannot compile ("), said
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["compiled"] is False and summary["steps"] == 20
 
 
+@pytest.mark.slow
 def test_a_model_that_cannot_compile_trains_eagerly_under_auto_with_one_line(tmp_path: Path) -> None:
     """A forward with an op dynamo cannot trace (a custom op without a fake implementation): under auto that code
     trains eagerly (torch's suppress_errors), and where dynamo logs a traceback of about 190 lines on every rank, the
@@ -117,8 +119,9 @@ def test_a_model_that_cannot_compile_trains_eagerly_under_auto_with_one_line(tmp
     said = [line for line in (out.stdout + out.stderr).splitlines() if "train.compile=auto" in line]
     assert len(said) == 1, said
     assert re.search(r"step \d+: warning: train\.compile=auto: torch\.compile failed on rank \d in forward at "
-                     r"\S+jobs/toy\.py:\d+: There was no fake impl registered for <CustomOpDef\(jobs_toy::untraceable\)>.*; "
-                     r"that code trains eagerly; train\.compile=false says so at once", said[0]), said
+                     r"\S+jobs/toy\.py:\d+: There was no fake impl registered for "
+                     r"<CustomOpDef\(jobs_toy::untraceable\)>.*; that code trains eagerly; "
+                     r"train\.compile=false says so at once", said[0]), said
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps"] == 20 and summary["compiled_graphs"] == 0, summary
 

@@ -3,7 +3,8 @@
 A compiled model that keeps recompiling (shapes or module state that change) or breaks its graph (code
 dynamo cannot trace) can be slower than eager without a word from torch until its recompile limit. The
 loop reads dynamo's own counters at log steps (host-side Python, no GPU wait), puts them in the metrics,
-and says when and why it compiled again. Exercised by: `python -m launcher +exp=bert train.compile=true`.
+and says when and why it compiled again; under train.compile=auto, also the code it failed to compile, which
+trains eagerly (EagerFallbacks). Exercised by: `python -m launcher +exp=bert train.compile=true`.
 """
 from __future__ import annotations
 
@@ -134,21 +135,27 @@ class EagerFallbacks(logging.Filter):
         self.failures: list[str] = []
 
     def filter(self, record: logging.LogRecord) -> bool:
-        said = re.match(r"WON'T CONVERT (\S+) (.+) line (\d+)", record.getMessage())
-        if not said or not record.exc_info or os.environ.get("TORCHDYNAMO_VERBOSE") == "1":
+        # (below WARNING: a graph break's code that dynamo skips, told as a graph break; verbose: torch's report)
+        if record.levelno < logging.WARNING or not record.exc_info or torch._dynamo.config.verbose:
             return True
-        error = record.exc_info[1]
-        where = user_place(error) or f" at {said[2]}:{said[3]}"  # the line in the code dynamo gave up on
-        self.failures.append(f"{said[1]}{where}: {what_failed(first_cause(error))[1]}")
-        return False
+        try:  # (an error in a filter would escape dynamo's suppression: the record then goes out as torch wrote it)
+            said = re.match(r"WON'T CONVERT (\S+) (.+) line (\d+)", record.getMessage())
+            if not said:
+                return True
+            error = record.exc_info[1]
+            where = user_place(error) or f" at {said[2]}:{said[3]}"  # the line in the code dynamo gave up on
+            self.failures.append(f"{said[1]}{where}: {what_failed(first_cause(error))[1]}")
+            return False
+        except Exception:
+            return True
 
 
 def first_cause(error: BaseException) -> BaseException:
-    """The error that the others wrap or were raised while handling: dynamo's own say little ("RuntimeError when
-    making fake tensor call" where an op has no fake implementation, which the first one names)."""
+    """The first error that is not dynamo's, inside dynamo's: those say little ("RuntimeError when making fake tensor
+    call" where an op has no fake implementation, which the error they were raised while handling names)."""
     for _ in range(8):  # (a few deep at most)
         inner = getattr(error, "inner_exception", None) or error.__cause__ or error.__context__
-        if inner is None:
+        if not isinstance(error, TorchDynamoException) or inner is None:
             break
         error = inner
     return error
@@ -219,8 +226,9 @@ def combine(reports: list[dict[str, Any]]) -> tuple[dict[str, int], list[str]]:
                             f"{rank}, which run like train.compile_mode=default; TORCH_LOGS=perf_hints says why (a "
                             f"CPU device or tensor, an input changed in place, dynamic shapes)")
         for failure in report["new_fallbacks"]:
-            if failure not in seen:
-                seen.add(failure)
+            code_and_line = failure.split(": ", 1)[0]  # (what failed may name the rank's own GPU)
+            if code_and_line not in seen:
+                seen.add(code_and_line)
                 warnings.append(f"warning: train.compile=auto: torch.compile failed on rank {rank} in {failure}; "
                                 f"that code trains eagerly; train.compile=false says so at once, train.compile=true "
                                 f"makes it an error, TORCHDYNAMO_VERBOSE=1 shows torch's report")

@@ -1,5 +1,6 @@
 """One forward and backward of the job's largest batch of a size, and the GPU memory it took: the trials of
-train.micro_batch_size=auto (launcher/train/micro_batch.py; sharded_micro_batch.py for strategy=fsdp)."""
+train.micro_batch_size=auto (launcher/train/micro_batch.py; sharded_micro_batch.py for strategy=fsdp), and what
+running out is (out_of_memory_in: also inside torch.compile's errors)."""
 from __future__ import annotations
 
 import gc
