@@ -149,6 +149,11 @@ class EagerFallbacks(logging.Filter):
         except Exception:
             return True
 
+    def take(self) -> list[str]:
+        """The failures kept since the last take."""
+        taken, self.failures = self.failures, []
+        return taken
+
 
 def first_cause(error: BaseException) -> BaseException:
     """The first error that is not dynamo's, inside dynamo's: those say little ("RuntimeError when making fake tensor
@@ -174,8 +179,7 @@ class CompileWatch:
     train.compile=auto, the code that trains eagerly as dynamo failed to compile it."""
 
     def __init__(self, enabled: bool, mode: str | None = None, fallbacks: EagerFallbacks | None = None):
-        self.enabled, self.cuda_graphs, self.fallbacks, self.fallbacks_told = (enabled, mode in CUDA_GRAPH_MODES,
-                                                                              fallbacks, 0)
+        self.enabled, self.cuda_graphs, self.fallbacks = enabled, mode in CUDA_GRAPH_MODES, fallbacks
         self.graphs, self.breaks, self.failures, self.skips = 0, {}, {}, 0
         self.first_log = True  # the first interval compiles by design
 
@@ -199,8 +203,7 @@ class CompileWatch:
                   "compile_cache_hits": hits,
                   "new_graphs": graphs - self.graphs, "new_breaks": new_breaks, "recompiled": recompiled,
                   "first_log": self.first_log,
-                  "new_fallbacks": self.fallbacks.failures[self.fallbacks_told:] if self.fallbacks else []}
-        self.fallbacks_told += len(report["new_fallbacks"])
+                  "new_fallbacks": self.fallbacks.take() if self.fallbacks else []}
         if self.cuda_graphs:  # graphs that inductor could not capture as CUDA graphs run like mode=default
             skips = utils.counters["inductor"].get("cudagraph_skips", 0)
             report.update(cudagraph_skips=skips, new_skips=skips - self.skips)

@@ -78,8 +78,9 @@ def build(cfg: DictConfig, run_dir: Path, env: launcher_dist.DistEnv) -> Run:
     precision.apply_tf32()  # before compile, which reads it
     compile_cache = CompileCache(run_dir, env.local_rank, env.device, train_cfg.compile and train_cfg.compile_cache)
     compile_cache.load(lambda message: print(message, file=sys.stderr, flush=True))  # before anything compiles
-    compiling = train_cfg.compile and not compile_turned_off(cfg, env)
-    fallbacks = eager_where_compiling_fails() if compiling and "compile" in (cfg.plan.get("auto") or {}) else None
+    auto_compile = "compile" in (cfg.plan.get("auto") or {})  # train.compile=auto chose to compile
+    compiling = train_cfg.compile and not (auto_compile and compile_turned_off(env))
+    fallbacks = eager_where_compiling_fails() if compiling and auto_compile else None
     by_block = compiling and compiles_each_block(cfg.strategy.name, train_cfg.compile_scope)
     compile_each = (lambda found: compile_blocks(found, train_cfg, cfg.strategy.name == "fsdp")) if by_block else None
     if cfg.strategy.name == "fsdp":  # (the parent lets no DDP key or graph split through)
@@ -162,12 +163,10 @@ def node_precision(name: str, env: launcher_dist.DistEnv) -> str:
     return auto_precision(env.device.type, [c for c in launcher_dist.all_gather_objects(capability) if c])
 
 
-def compile_turned_off(cfg: DictConfig, env: launcher_dist.DistEnv) -> bool:
+def compile_turned_off(env: launcher_dist.DistEnv) -> bool:
     """train.compile=auto chose to compile: a machine that cannot (no Triton, no C++ compiler) trains eagerly, said
     in one line, every rank alike; what dynamo fails to compile in the model runs eagerly too, one line saying why
     (compiled.eager_where_compiling_fails). train.compile=true keeps every failure an error."""
-    if "compile" not in (cfg.plan.get("auto") or {}):
-        return False
     reasons = launcher_dist.all_gather_objects(cannot_compile(env.device))
     rank, reason = next(((r, why) for r, why in enumerate(reasons) if why), (None, None))
     if reason:
