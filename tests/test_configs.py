@@ -82,6 +82,21 @@ def test_bf16_is_refused_where_a_gpu_is_older_than_ampere_and_auto_picks_for_the
     assert make_plan(compose_config("+exp=toy", "launcher.device=cuda")).auto["precision"] == "bf16"
 
 
+def test_slurm_runs_a_worker_per_gpu_unless_launcher_nproc_per_node_asks_for_fewer() -> None:
+    """launcher.nproc_per_node on Slurm: null is one worker per GPU of launcher.gpus_per_node; a smaller number is
+    kept (it was overridden by gpus_per_node); more than the GPUs is refused in one line."""
+    on_gpus = ("+exp=toy", "launcher=slurm", "launcher.device=auto", "launcher.gpus_per_node=8", "launcher.nodes=2",
+               "train.global_batch_size=128", "train.micro_batch_size=8")
+    per_gpu = make_plan(compose_config(*on_gpus))
+    assert (per_gpu.nproc_per_node, per_gpu.world_size) == (8, 16)
+    fewer = make_plan(compose_config(*on_gpus, "launcher.nproc_per_node=4"))
+    assert (fewer.nproc_per_node, fewer.world_size, fewer.device_type) == (4, 8, "cuda")
+    assert make_plan(compose_config("+exp=toy", "launcher=slurm")).nproc_per_node == 2  # CPU workers
+    with pytest.raises(ConfigError, match=r"^launcher.nproc_per_node=16 but launcher.gpus_per_node=8: a worker per GPU "
+                                          r"at most; set launcher.nproc_per_node<=8 \(null: one per GPU\)$"):
+        make_plan(compose_config(*on_gpus, "launcher.nproc_per_node=16"))
+
+
 @pytest.mark.parametrize("given, sbatch", [(None, "requeue"), ("no_requeue=true", "no_requeue"),
                                            ("no-requeue=true", "no-requeue"), ("requeue=true", "requeue"),
                                            ("requeue=false", "no_requeue")])

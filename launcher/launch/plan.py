@@ -83,7 +83,10 @@ def _shape(cfg: DictConfig) -> tuple[int, int, int, str, list[tuple[int, int]] |
         if str(launcher.nnodes) != "1" or launcher.rdzv_endpoint:
             raise ConfigError("launcher.nnodes and launcher.rdzv_endpoint are for launcher=local on several machines; "
                               "on Slurm set launcher.nodes (the rendezvous is the job's first node)")
-        nproc = gpus or launcher.nproc_per_node or 2
+        nproc = launcher.nproc_per_node or gpus or 2
+        if gpus and nproc > gpus:
+            raise ConfigError(f"launcher.nproc_per_node={nproc} but launcher.gpus_per_node={gpus}: a worker per GPU at "
+                              f"most; set launcher.nproc_per_node<={gpus} (null: one per GPU)")
         return launcher.nodes, launcher.nodes, nproc, "cuda" if gpus else "cpu", None if gpus else []
     if launcher.name != "local":
         raise ConfigError(f"launcher.name={launcher.name} is not one of local, slurm; pick launcher=local or "
