@@ -56,6 +56,8 @@ start() {
     mkdir -p "$STATE"
     stop  # a cluster left by an earlier start of ours
     local host; host=$(hostname -s)
+    # the nodes' address: not loopback where the host has another (a real node's never is), else 127.0.0.1
+    local addr; addr=$(hostname -I 2>/dev/null | tr ' ' '\n' | grep -m1 -E '^[0-9]+(\.[0-9]+){3}$' || true)
 
     mkdir -p /run/munge /var/lib/munge /var/log/munge
     chown munge:munge /run/munge /var/lib/munge /var/log/munge
@@ -74,7 +76,7 @@ start() {
                 GRANT ALL ON slurm_acct_db.* TO 'slurm'@'localhost'; FLUSH PRIVILEGES;"
 
     mkdir -p /etc/slurm /run/slurm /var/log/slurm
-    sed "s/@HOST@/$host/g" "$HERE/slurm.conf.in" >/etc/slurm/slurm.conf
+    sed -e "s/@HOST@/$host/g" -e "s/@ADDR@/${addr:-127.0.0.1}/g" "$HERE/slurm.conf.in" >/etc/slurm/slurm.conf
     install -m 600 "$HERE/slurmdbd.conf.in" /etc/slurm/slurmdbd.conf
     rm -rf /var/spool/slurmctld /var/spool/slurmd  # a fresh cluster: no jobs from earlier runs
     mkdir -p /var/spool/slurmctld /var/spool/slurmd && chmod 0700 /var/spool/slurmctld
@@ -86,7 +88,7 @@ start() {
     start_daemon slurmd-n1 slurmd -D -N n1
     start_daemon slurmd-n2 slurmd -D -N n2
     wait_for "idle nodes" 30 bash -c '[ "$(sinfo -h -N -o %T | sort -u)" = idle ]'
-    log "up: $(sinfo -h -N -o '%N %T' | tr '\n' ' ')"
+    log "up: $(sinfo -h -N -o '%N %T' | tr '\n' ' ')at ${addr:-127.0.0.1}"
 }
 
 case "${1:-}" in

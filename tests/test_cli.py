@@ -195,7 +195,10 @@ def test_a_slurm_job_of_two_8_gpu_nodes_is_one_task_per_node_and_a_world_of_16(t
     assert (params["nodes"], params["ntasks_per_node"], params["gpus_per_node"]) == (2, 1, 8)
     plan = OmegaConf.load(tmp_path / "run" / "config.yaml").plan
     assert (plan.world_size, plan.nproc_per_node, plan.device_type, plan.grad_accum_steps) == (16, 8, "cuda", 2)
-    assert "--nnodes=2 --nproc-per-node=8" in out.stdout and "srun" not in out.stdout
+    torchrun = [line for line in out.stdout.splitlines() if "python -m torch.distributed.run" in line]
+    assert len(torchrun) == 1 and "--nnodes=2 --nproc-per-node=8" in torchrun[0] and "srun" not in torchrun[0]
+    # srun asks for the task's CPUs again: Slurm 22.05-23.02's steps do not inherit sbatch's (tests/test_slurm.py)
+    assert params["srun_args"] == [f"--cpus-per-task={params['cpus_per_task']}"] == ["--cpus-per-task=8"]
 
 
 def test_a_slurm_sweep_launched_again_queues_only_its_unfinished_points(tmp_path: Path) -> None:

@@ -22,6 +22,7 @@ import torch
 from launcher.launch.gpus import driver_version, visible_gpus
 from launcher.redact import redact
 from launcher.rundir import LAUNCH_FILE, write_atomically
+from launcher.train.prefetch import usable_cores
 
 CODE = Path(__file__).resolve().parents[2]  # the checkout that holds launcher/ and jobs/
 ENV_PREFIXES = ("NCCL_", "TORCH_", "CUDA_", "PYTORCH_", "SLURM_")
@@ -95,4 +96,5 @@ def record_slurm_job(run_dir: Path) -> None:
     record = json.loads(path.read_text()) if path.is_file() else {}
     record["slurm_job"] = {name: redact(name, value) for name, value in sorted(os.environ.items())
                            if name.startswith("SLURM_")}
+    record["slurm_job"]["usable_cpus"] = usable_cores()  # what Slurm bound the node's task to: its workers share them
     write_atomically(path, json.dumps(record, indent=2) + "\n")

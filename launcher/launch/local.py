@@ -51,11 +51,15 @@ def torchrun_args(config_path: Path, plan: Plan, launcher: DictConfig, rendezvou
             *torchrun_shutdown_args(launcher.shutdown_timeout_s), "--module", "launcher.train.worker", str(config_path)]
 
 
-def c10d_rendezvous(endpoint: str, rdzv_id: str, timeout_s: int) -> list[str]:
+def c10d_rendezvous(endpoint: str, rdzv_id: str, timeout_s: int, hosts: bool | None = None) -> list[str]:
     """torchrun's rendezvous arguments for a multi-node job: every node's agent meets at `endpoint`; its connection
-    and its wait for the other nodes (one that failed before its agent started) both end after `timeout_s`."""
+    and its wait for the other nodes (one that failed before its agent started) both end after `timeout_s`.
+    `hosts`: whether this node's agent serves the endpoint's store. None leaves it to torch, which compares the
+    endpoint with what this machine's hostname resolves to: where that is 127.0.1.1 (Debian's and Ubuntu's
+    /etc/hosts) or another network card's address, no node serves it and every agent waits for the timeout."""
+    is_host = "" if hosts is None else f",is_host={int(hosts)}"
     return ["--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}", f"--rdzv-id={rdzv_id}",
-            f"--rdzv-conf=join_timeout={timeout_s},read_timeout={timeout_s}"]
+            f"--rdzv-conf=join_timeout={timeout_s},read_timeout={timeout_s}{is_host}"]
 
 
 def local_rendezvous(plan: Plan, launcher: DictConfig, run_dir: Path) -> list[str]:

@@ -61,10 +61,12 @@ class NodeTask(submitit.helpers.Checkpointable):
             if first:
                 (run_dir / PREEMPTED_FILE).unlink(missing_ok=True)  # from the attempt before a requeue
                 record_slurm_job(run_dir)  # job id, node list, requeue count: for a bug report
-            # The first node's address, not its name: names need not resolve (emulated nodes, some clusters).
+            # The first node's address, not its name: names need not resolve (emulated nodes, some clusters). Its
+            # task (global rank 0: Slurm starts a step's task 0 on the first node, where the batch script runs and
+            # srun was called from) serves the store there: torch's own guess fails on many nodes (c10d_rendezvous).
             host = os.environ.get("SLURM_LAUNCH_NODE_IPADDR") or env.hostnames[0]
             rendezvous = c10d_rendezvous(f"{host}:{rendezvous_port(env.job_id, restart)}", f"{env.job_id}-{restart}",
-                                         cfg.launcher.rdzv_timeout_s)
+                                         cfg.launcher.rdzv_timeout_s, hosts=first)
             os.environ[LAUNCH_TIME] = str(time.time())  # (sbatch copied the submit host's: not the queue's time)
             code = run_agent(config_path, Plan(**cfg.plan), cfg.launcher, rendezvous)
         if code in (REQUEUE_EXIT_CODE, OUT_OF_MEMORY_EXIT_CODE):

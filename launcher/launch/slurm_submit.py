@@ -130,8 +130,11 @@ def executor_parameters(launcher: dict[str, Any], plan: Plan, job_name: str) -> 
     preempt_signal = signal_named(launcher["signal"])
     if preempt_signal != signal.SIGUSR2:  # submitit writes --signal=USR2@delay; another signal replaces it
         extra["signal"] = f"{preempt_signal.name.removeprefix('SIG')}@{launcher['signal_delay_s']}"
-    params = {"job_name": job_name, "nodes": plan.nnodes, "ntasks_per_node": 1,
-              "cpus_per_task": launcher["cpus_per_task"] or plan.nproc_per_node, "time": launcher["timeout_min"],
+    cpus = launcher["cpus_per_task"] or plan.nproc_per_node
+    # srun is told the CPUs again: from Slurm 22.05 to 23.02 a step does not inherit sbatch's --cpus-per-task, and
+    # where tasks are bound to cores (task/affinity, task/cgroup) the agent and all of a node's workers shared one
+    params = {"job_name": job_name, "nodes": plan.nnodes, "ntasks_per_node": 1, "cpus_per_task": cpus,
+              "srun_args": [f"--cpus-per-task={cpus}"], "time": launcher["timeout_min"],
               "signal_delay_s": launcher["signal_delay_s"], "array_parallelism": launcher["array_parallelism"],
               "setup": list(launcher["setup"]), "additional_parameters": extra, "stderr_to_stdout": True}
     if launcher["gpus_per_node"]:
