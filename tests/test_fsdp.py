@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import compose_config, read_metrics, run_cli
+from conftest import compose_config, read_metrics, run_cli, run_torchrun
 from helpers import (DROPOUT, SLOW, assert_params_close, bitwise_equal, finish, preempt, sample_stream, start, wait_until,
                      weights, worker_pid)
 from launcher.compat import FSDP2_ON_CPU
@@ -128,13 +128,15 @@ def test_preemption_and_kill_9_under_fsdp_resume_bitwise(tmp_path: Path, referen
 def test_fp16_skips_and_rescales_under_fsdp_as_under_ddp_and_bf16_trains(tmp_path: Path) -> None:
     """A loss scale far too large: the first steps overflow on some shards; every rank skips them together and
     halves the scale alike, then it grows again every 5 steps, exactly as DDP's does (FSDP2 gathers the weights in
-    fp16 and reduces the gradients in float32). bf16 (FSDP2's bf16 gathers, under autocast) trains too, with SGD and
-    momentum: torch's sharded tensors have no rule for fused SGD's kernel, which DDP runs take."""
+    fp16 and reduces the gradients in float32). bf16 (FSDP2's bf16 gathers, under autocast) trains as DDP does, with
+    SGD and momentum (torch's sharded tensors have no rule for fused SGD's kernel, which DDP runs take) and a
+    BatchNorm, whose weights FSDP2 would gather in bf16 beside its float32 running statistics (an error)."""
     common = ("+exp=toy", "precision.init_scale=1e8", "precision.growth_interval=5", "train.max_steps=40",
               "train.log_every=5", "train.eval_every=0")
     logs = {}
-    for name, precision, optimizer in (("ddp", "fp16", ()), ("fsdp", "fp16", ()),
-                                       ("fsdp", "bf16", ("optimizer=sgd", "optimizer.momentum=0.9"))):
+    sgd = ("optimizer=sgd", "optimizer.momentum=0.9", "model.batch_norm=true")
+    for name, precision, optimizer in (("ddp", "fp16", ()), ("fsdp", "fp16", ()), ("ddp", "bf16", sgd),
+                                       ("fsdp", "bf16", sgd)):
         run_dir = tmp_path / f"{name}-{precision}"
         out = run_cli(*common, *optimizer, f"strategy={name}", f"precision={precision}", f"hydra.run.dir={run_dir}",
                       cwd=tmp_path)
@@ -147,6 +149,7 @@ def test_fp16_skips_and_rescales_under_fsdp_as_under_ddp_and_bf16_trains(tmp_pat
     assert [m["loss"] for m in fsdp] == pytest.approx([m["loss"] for m in ddp], rel=1e-2)
     bf16 = logs["fsdp", "bf16"]
     assert bf16[-1]["loss"] < 0.9 * bf16[0]["loss"] and bf16[-1]["skipped_steps"] == 0
+    assert [m["loss"] for m in bf16] == pytest.approx([m["loss"] for m in logs["ddp", "bf16"]], rel=1e-2)
 
 
 def test_bert_under_fsdp_learns_as_under_ddp_and_its_checkpoints_load_in_transformers(tmp_path: Path,
@@ -228,3 +231,42 @@ def test_what_fsdp_cannot_do_is_refused_in_the_parent(overrides: tuple[str, ...]
     cfg = compose_config("+exp=toy", *overrides)
     with pytest.raises(ConfigError, match=message):
         make_plan(cfg)
+
+
+GATHERS = '''
+import json
+import torch
+from torch import nn
+from torch.distributed.fsdp._fully_shard import _fsdp_param_group
+from launcher.train import dist, sharding
+from launcher.train.precision import Precision
+
+dist.init("cpu", "gloo", 60)  # as the worker does
+gathered = []
+all_gather = _fsdp_param_group.foreach_all_gather
+_fsdp_param_group.foreach_all_gather = lambda *a, **k: gathered.append(1) or all_gather(*a, **k)
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, 8), nn.Linear(8, 3), nn.LayerNorm(3))
+said = sharding.shard(model, True, None, Precision("bf16", "cpu"), torch.device("cpu"), 2)
+with torch.autocast("cpu", torch.bfloat16):
+    loss = model(torch.randn(6, 4)).float().sum()
+forward = len(gathered)
+loss.backward()
+if torch.distributed.get_rank() == 0:  # both ranks' lines could run into one
+    print(json.dumps({"said": said, "forward": forward, "total": len(gathered)}))
+'''
+
+
+def test_fsdp_gathers_each_group_once_a_forward_and_the_blocks_again_in_the_backward(tmp_path: Path) -> None:
+    """strategy.reshard_after_forward=true: each block (3 x Linear) and the BatchNorm's group of its own dtype reshard
+    after the forward and are gathered again in the backward; the root (the Sequential: its LayerNorm's weights)
+    keeps what it gathered: 4 groups and the root, 5 gathers forward, 9 in all (10 when the root was given
+    reshard_after_forward=true as the blocks are: it gathered its weights again at once)."""
+    if not FSDP2_ON_CPU:
+        pytest.skip("FSDP2 on CPU ranks needs torch 2.7 (test_fsdp_on_this_torch_trains_or_is_refused_in_one_line)")
+    script = tmp_path / "gathers.py"
+    script.write_text(GATHERS)
+    out = run_torchrun(2, script)
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["said"] == "3 x Linear (each Linear), then the root; 1 x BatchNorm gathered in its own dtype"
+    assert (result["forward"], result["total"]) == (5, 9), result

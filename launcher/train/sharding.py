@@ -1,8 +1,9 @@
 """strategy=fsdp: FSDP2's fully_shard on each block of the model, then the root, and the full weights its
 checkpoints hold.
 
-Every rank keeps 1/world of each weight, gradient and optimizer moment (Shard(0) DTensors) and all-gathers a
-block's weights while the block runs. A checkpoint holds the full weights in DDP's model.safetensors: rank 0
+Every rank keeps 1/world of each weight, gradient and optimizer moment (Shard(0) DTensors; between the
+micro-batches of an accumulating step its own whole gradients, which the last one's backward reduce-scatters) and
+all-gathers a block's weights while the block runs. A checkpoint holds the full weights in DDP's model.safetensors: rank 0
 gathers them (one all-gather per tensor, to host memory), and a start reads them and keeps its own rows. So a
 transformers job's checkpoint stays a save_pretrained dir. The optimizer's moments are written by every rank
 in shards (launcher/train/sharded_checkpoint.py). A checkpoint resumes on any world size and on either strategy;
@@ -11,6 +12,7 @@ a DDP checkpoint's full moments load on fsdp by shard_optimizer_state. Exercised
 """
 from __future__ import annotations
 
+import inspect
 import sys
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator
@@ -23,7 +25,7 @@ from launcher.train.precision import Precision
 
 # what the dry run and the launcher's first line say: the workers find the blocks (the parent builds no model)
 RULE = ("each block: transformers' _no_split_modules, else the layers of the model's stack (its ModuleList, "
-        "e.g. BertLayer), else each Linear; then the root")
+        "e.g. BertLayer), else each Linear; then the root (under bf16/fp16 each BatchNorm first, in its own dtype)")
 
 
 def blocks(model: nn.Module, block: str | None) -> tuple[list[nn.Module], str]:
@@ -74,22 +76,37 @@ def shard(model: nn.Module, reshard_after_forward: bool, block: str | None, prec
     Under bf16/fp16 the gathered weights are cast to that dtype once per gather (FSDP2's mixed precision: half
     the all-gather's bytes) and gradients are reduced in float32; the shards, and so the optimizer, stay in the
     weights' own dtype. The forward still runs under autocast, as with DDP: ops that need float32 (softmax,
-    layer norm, the loss) get it."""
+    layer norm, the loss) get it. A BatchNorm's weights are gathered in their own dtype, in a group of their own:
+    FSDP2 casts a group's parameters but never its buffers, and batch_norm takes its weights and running
+    statistics in one dtype (under bf16 it failed, `expected scalar type BFloat16 but found Float`), as DDP's
+    autocast leaves them.
+
+    The root keeps its weights from the forward to the backward, torch's own choice for it (on torch 2.13 only
+    where reshard_after_forward is left unset; earlier ones choose so whatever it is): resharding them there
+    would gather them again at once."""
     # imported here: FSDP2 and DTensor cost each process 1.2 s to import, and more at its exit, which a DDP run
     # does not pay (the launcher's parent imports this module too; bench/launch_time.py)
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     dtype = precision.autocast_dtype
-    policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32 if dtype else None)
+    reduce_dtype = torch.float32 if dtype else None
+    policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=reduce_dtype)
     mesh = init_device_mesh(device.type, (world_size,))
     found, said = blocks(model, block)
     if compile_blocks:
         compile_blocks(found)
+    norms = [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm) and m is not model
+             and any(p.requires_grad for p in m.parameters())] if dtype else []
+    for module in norms:  # before the blocks that hold them: fully_shard leaves a group's inner groups' weights out
+        fully_shard(module, mesh=mesh, reshard_after_forward=reshard_after_forward,
+                    mp_policy=MixedPrecisionPolicy(reduce_dtype=reduce_dtype))
     for module in found:
         fully_shard(module, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy)
-    fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy)
-    return f"{said}, then the root"
+    root_chooses = inspect.signature(fully_shard).parameters["reshard_after_forward"].default is None
+    fully_shard(model, mesh=mesh, reshard_after_forward=None if root_chooses and reshard_after_forward
+                else reshard_after_forward, mp_policy=policy)
+    return f"{said}, then the root" + (f"; {len(norms)} x BatchNorm gathered in its own dtype" if norms else "")
 
 
 def is_sharded(model: nn.Module) -> bool:
