@@ -70,6 +70,8 @@ def test_visible_devices_read_as_cuda_reads_them_and_no_nvml_falls_back_to_torch
     assert visible_indices("GPU-bbb,GPU-aaa1", 3, uuids) == [1, 0]  # a unique prefix names a GPU
     assert visible_indices("", 3, uuids) == [] and visible_indices("-1", 3, uuids) == []
     assert visible_indices("MIG-1234", 3, uuids) is None  # NVML cannot say: torch answers
+    assert visible_indices("0,0", 3, uuids) == [] and visible_indices("1,0,1", 3, uuids) == []  # named twice: none
+    assert visible_indices("1gpu,+2", 3, uuids) == [1, 2] and visible_indices("--1", 3, uuids) == []  # strtoul's way
     h100, t4 = Gpu("NVIDIA H100", (9, 0)), Gpu("Tesla T4", (7, 5))
     assert in_cuda_order([h100, h100, h100], uuids, {"CUDA_VISIBLE_DEVICES": "2"}) == [h100]
     # mixed GPUs: CUDA's default order puts the fastest first, NVML's is the PCI bus's; only PCI_BUS_ID makes them one

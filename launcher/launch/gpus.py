@@ -3,16 +3,18 @@
 The parent decides the plan (how many workers, precision auto) before any worker starts. torch.cuda's
 get_device_capability and get_device_name initialise CUDA in the parent, which then holds a context (and
 hundreds of MB of GPU memory) for the whole run, and `nvidia-smi` costs a process start: NVML (libnvidia-ml,
-shipped with the driver, the library torch.cuda.device_count itself reads) answers both at once. Without NVML
-(no driver, a MIG slice, a build without it) torch.cuda answers instead. CUDA_VISIBLE_DEVICES narrows the
-list as CUDA does: the entries up to the first one that names no GPU. On a node of mixed GPUs NVML's order (PCI
-bus) is CUDA's only with CUDA_DEVICE_ORDER=PCI_BUS_ID; without it torch.cuda answers there too.
+shipped with the driver, the library torch.cuda.device_count itself reads) answers both at once. Without NVML, or
+where it cannot say (no driver, a MIG slice or a GPU in MIG mode, a build without it) torch.cuda answers instead.
+CUDA_VISIBLE_DEVICES narrows the list as CUDA does: the entries up to the first one that names no GPU (a GPU
+named twice: none). On a node of mixed GPUs NVML's order (PCI bus) is CUDA's only with
+CUDA_DEVICE_ORDER=PCI_BUS_ID; without it torch.cuda answers there too.
 Exercised by: tests/test_fast_defaults.py (CUDA_VISIBLE_DEVICES, the fallback; NVML against torch under -m gpu).
 """
 from __future__ import annotations
 
 import ctypes
 import os
+import re
 from dataclasses import dataclass
 from typing import Mapping
 
@@ -44,20 +46,24 @@ def driver_version() -> str | None:
 
 
 def visible_indices(variable: str | None, count: int, uuids: list[str]) -> list[int] | None:
-    """CUDA_VISIBLE_DEVICES as NVML indices: integers and GPU-<uuid> (prefixes too) up to the first entry that
-    names no GPU, as CUDA reads it; None where NVML cannot say (a MIG slice)."""
+    """CUDA_VISIBLE_DEVICES as NVML indices, as CUDA reads it (torch.cuda models it so too): integers (an entry's
+    leading digits, as C's strtoul reads them: `1gpu` is 1) and GPU-<uuid> (prefixes too) up to the first entry
+    that names no GPU; a GPU named twice leaves none; None where NVML cannot say (a MIG slice)."""
     if variable is None:
         return list(range(count))
     indices: list[int] = []
     for entry in (e.strip() for e in variable.split(",")):
         if entry.startswith("MIG-"):
             return None
-        if entry.lstrip("-").isdigit():
-            index = int(entry)
-        else:
-            matches = [i for i, uuid in enumerate(uuids) if entry and uuid.startswith(entry)]
+        if entry.startswith("GPU-"):
+            matches = [i for i, uuid in enumerate(uuids) if uuid.startswith(entry)]
             index = matches[0] if len(matches) == 1 else -1
-        if not 0 <= index < count or index in indices:
+        else:
+            number = re.match(r"[+-]?\d+", entry)
+            index = int(number.group()) if number else -1
+        if index in indices:
+            return []
+        if not 0 <= index < count:
             break
         indices.append(index)
     return indices
@@ -105,6 +111,9 @@ def _nvml_gpus() -> list[Gpu] | None:
                     handle, ctypes.byref(major), ctypes.byref(minor)) != 0:
                 return None
             every.append(Gpu(name.value.decode(), (major.value, minor.value)))
+            current, pending = ctypes.c_uint(), ctypes.c_uint()  # MIG on: a CUDA process sees one slice, not
+            if nvml.nvmlDeviceGetMigMode(handle, ctypes.byref(current), ctypes.byref(pending)) == 0 and current.value:
+                return None  # the GPUs NVML counts (each worker but the first would find no GPU): torch answers
         return in_cuda_order(every, uuids, os.environ)
     except AttributeError:  # an NVML older than these calls
         return None
