@@ -169,10 +169,10 @@ def test_mfu_has_no_peak_where_none_is_known() -> None:
     ("NVIDIA H100 80GB HBM3", 989e12), ("NVIDIA H100 PCIe", 756e12), ("NVIDIA H100 NVL", 835e12),
     ("NVIDIA A100-SXM4-80GB", 312e12), ("NVIDIA A10", 125e12), ("NVIDIA A10G", None), ("NVIDIA L40", 181e12),
     ("NVIDIA L40S", 362e12), ("NVIDIA L4", 121e12), ("NVIDIA GH200 480GB", 989e12), ("NVIDIA H20", None),
-    ("Tesla V100-SXM2-32GB", 125e12), ("NVIDIA GeForce RTX 4090", 165e12)])
+    ("Tesla V100-SXM2-32GB", 125e12), ("NVIDIA GeForce RTX 4090", 165e12), ("NVIDIA A100-SXM4-40GB MIG 1g.5gb", None)])
 def test_mfu_takes_the_peak_of_the_gpu_named_and_of_no_other(name: str, peak: float | None) -> None:
     """The GPU's model as a whole word of its name: an A10G (about half an A10's peak) or an H20 gets none, rather
-    than the peak of the GPU whose name starts like its own."""
+    than the peak of the GPU whose name starts like its own; so does a MIG slice (a fraction of its GPU's)."""
     from launcher.train.meter import peak_of_gpu
 
     assert peak_of_gpu(name) == peak

@@ -35,7 +35,10 @@ def peak_flops(device: torch.device, precision: str, tf32: bool = True) -> float
 
 
 def peak_of_gpu(name: str) -> float | None:
-    """`NVIDIA H100 80GB HBM3` -> its dense bf16/fp16 peak FLOP/s; None for a GPU not in PEAK_FLOPS."""
+    """`NVIDIA H100 80GB HBM3` -> its dense bf16/fp16 peak FLOP/s; None for a GPU not in PEAK_FLOPS, and for a MIG
+    slice (`NVIDIA A100-SXM4-40GB MIG 1g.5gb`: a share of the GPU's compute, which its name does not say exactly)."""
+    if re.search(r"\bMIG\b", name):
+        return None
     return next((peak for model, peak in PEAK_FLOPS if re.search(rf"\b{re.escape(model)}\b", name)), None)
 
 
