@@ -84,6 +84,27 @@ def test_visible_devices_read_as_cuda_reads_them_and_no_nvml_falls_back_to_torch
         assert visible_gpus() == []
 
 
+def test_a_cuda_worker_that_sees_no_gpu_says_what_cuda_says(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The parent's NVML counted GPUs that the worker's torch cannot use (a driver older than its CUDA; here a torch
+    built without CUDA, which torch.cuda.device_count() gives 0 for): the error names CUDA's reason, not only
+    CUDA_VISIBLE_DEVICES. Raised before any process group starts."""
+    import torch
+
+    from launcher.train import dist
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine's torch sees a GPU")
+    for name, value in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"}.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    with pytest.raises(RuntimeError) as raised:
+        dist.init("cuda", "auto", 10)
+    said, _, why = str(raised.value).partition("; torch.cuda says: ")
+    assert said == "local rank 0 has no GPU: this process sees 0 (CUDA_VISIBLE_DEVICES=unset)" and why, raised.value
+    if not torch.backends.cuda.is_built():  # this project's CPU wheel; a CUDA build without a driver says so instead
+        assert why == "Torch not compiled with CUDA enabled"
+
+
 def auto_compiling_on_the_cpu(run_dir: Path, *overrides: str, **env: str) -> subprocess.CompletedProcess:
     """What the parent writes for a GPU plan (train.compile=auto chose to compile), its 2 workers run on the CPU."""
     config = write_run_config(run_dir, "+exp=toy", "train.max_steps=20", *overrides)

@@ -31,6 +31,18 @@ class DistEnv:
         return self.rank == 0
 
 
+def why_no_gpu() -> str:
+    """What CUDA says when this process sees no GPU at all, though the parent's NVML counted some: a driver older
+    than this torch's CUDA, a torch built without CUDA (torch.cuda.device_count() only warns, or says nothing)."""
+    if torch.cuda.device_count():
+        return ""
+    try:
+        torch.cuda.init()
+    except Exception as error:  # AssertionError (no CUDA build), RuntimeError (the driver's): CUDA's reason
+        return f"; torch.cuda says: {str(error).strip().splitlines()[0][:300]}" if str(error).strip() else ""
+    return ""
+
+
 def init(device_type: str, backend: str, timeout_s: float) -> DistEnv:
     """Join the process group named by the env:// variables (torchrun sets them), on the plan's device.
 
@@ -43,7 +55,7 @@ def init(device_type: str, backend: str, timeout_s: float) -> DistEnv:
         if local_rank >= torch.cuda.device_count():
             raise RuntimeError(f"local rank {local_rank} has no GPU: this process sees "
                                f"{torch.cuda.device_count()} (CUDA_VISIBLE_DEVICES="
-                               f"{os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')})")
+                               f"{os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}){why_no_gpu()}")
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
     else:
