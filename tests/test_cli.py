@@ -197,6 +197,7 @@ def test_a_slurm_job_of_two_8_gpu_nodes_is_one_task_per_node_and_a_world_of_16(t
     assert (plan.world_size, plan.nproc_per_node, plan.device_type, plan.grad_accum_steps) == (16, 8, "cuda", 2)
     torchrun = [line for line in out.stdout.splitlines() if "python -m torch.distributed.run" in line]
     assert len(torchrun) == 1 and "--nnodes=2 --nproc-per-node=8" in torchrun[0] and "srun" not in torchrun[0]
+    assert ",is_host=<1 on the first node, else 0> " in torchrun[0]  # the first node's task serves the rendezvous
     # srun asks for the task's CPUs again: Slurm 22.05-23.02's steps do not inherit sbatch's (tests/test_slurm.py)
     assert params["srun_args"] == [f"--cpus-per-task={params['cpus_per_task']}"] == ["--cpus-per-task=8"]
 

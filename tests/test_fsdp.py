@@ -247,6 +247,7 @@ all_gather = _fsdp_param_group.foreach_all_gather
 _fsdp_param_group.foreach_all_gather = lambda *a, **k: gathered.append(1) or all_gather(*a, **k)
 torch.manual_seed(0)
 model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, 8), nn.Linear(8, 3), nn.LayerNorm(3))
+model[1].requires_grad_(False)  # a frozen BatchNorm (fine-tuning) is gathered in its own dtype too
 said = sharding.shard(model, True, None, Precision("bf16", "cpu"), torch.device("cpu"), 2)
 with torch.autocast("cpu", torch.bfloat16):
     loss = model(torch.randn(6, 4)).float().sum()
@@ -258,10 +259,10 @@ if torch.distributed.get_rank() == 0:  # both ranks' lines could run into one
 
 
 def test_fsdp_gathers_each_group_once_a_forward_and_the_blocks_again_in_the_backward(tmp_path: Path) -> None:
-    """strategy.reshard_after_forward=true: each block (3 x Linear) and the BatchNorm's group of its own dtype reshard
-    after the forward and are gathered again in the backward; the root (the Sequential: its LayerNorm's weights)
-    keeps what it gathered: 4 groups and the root, 5 gathers forward, 9 in all (10 when the root was given
-    reshard_after_forward=true as the blocks are: it gathered its weights again at once)."""
+    """strategy.reshard_after_forward=true: each block (3 x Linear) and the (frozen) BatchNorm's group of its own
+    dtype reshard after the forward and are gathered again in the backward; the root (the Sequential: its
+    LayerNorm's weights) keeps what it gathered: 4 groups and the root, 5 gathers forward, 9 in all (10 when the root
+    was given reshard_after_forward=true as the blocks are: it gathered its weights again at once)."""
     if not FSDP2_ON_CPU:
         pytest.skip("FSDP2 on CPU ranks needs torch 2.7 (test_fsdp_on_this_torch_trains_or_is_refused_in_one_line)")
     script = tmp_path / "gathers.py"

@@ -46,9 +46,9 @@ def driver_version() -> str | None:
 
 
 def visible_indices(variable: str | None, count: int, uuids: list[str]) -> list[int] | None:
-    """CUDA_VISIBLE_DEVICES as NVML indices, as CUDA reads it (torch.cuda models it so too): integers (an entry's
-    leading digits, as C's strtoul reads them: `1gpu` is 1) and GPU-<uuid> (prefixes too) up to the first entry
-    that names no GPU; a GPU named twice leaves none; None where NVML cannot say (a MIG slice)."""
+    """CUDA_VISIBLE_DEVICES as NVML indices, as CUDA reads it: integers (an entry's leading digits, as C's strtoul
+    reads them: `1gpu` is 1, as torch.cuda models it) and GPU-<uuid> (prefixes too) up to the first entry that names
+    no GPU; a GPU named twice before it leaves none; None where NVML cannot say (a MIG slice)."""
     if variable is None:
         return list(range(count))
     indices: list[int] = []

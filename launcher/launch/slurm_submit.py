@@ -290,8 +290,9 @@ def print_plan(runs: list[Submission], params: dict[str, Any], folder: Path) -> 
     print("executor parameters: " + json.dumps(params, sort_keys=True))
     for run in runs:
         cfg = OmegaConf.load(run.config_path)
-        rendezvous = c10d_rendezvous("<first node address>:<port from the job id>", "<job id>-<requeue count>",
-                                     cfg.launcher.rdzv_timeout_s)
+        rendezvous = [arg.replace("is_host=1", "is_host=<1 on the first node, else 0>") for arg in c10d_rendezvous(
+            "<first node address>:<port from the job id>", "<job id>-<requeue count>", cfg.launcher.rdzv_timeout_s,
+            hosts=True)]
         args = torchrun_args(run.config_path, run.plan, cfg.launcher, rendezvous)
         print(f"run dir {run.run_dir}: {asdict(run.plan)}")
         print(f"  on each of {run.plan.nnodes} node(s): python -m torch.distributed.run {' '.join(args)}")

@@ -98,7 +98,7 @@ def shard(model: nn.Module, reshard_after_forward: bool, block: str | None, prec
     if compile_blocks:
         compile_blocks(found)
     norms = [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm) and m is not model
-             and any(p.requires_grad for p in m.parameters())] if dtype else []
+             and next(m.parameters(recurse=False), None) is not None] if dtype else []  # frozen too
     for module in norms:  # before the blocks that hold them: fully_shard leaves a group's inner groups' weights out
         fully_shard(module, mesh=mesh, reshard_after_forward=reshard_after_forward,
                     mp_policy=MixedPrecisionPolicy(reduce_dtype=reduce_dtype))
