@@ -34,8 +34,6 @@ class DistEnv:
 def why_no_gpu() -> str:
     """What CUDA says when this process sees no GPU at all, though the parent's NVML counted some: a driver older
     than this torch's CUDA, a torch built without CUDA (torch.cuda.device_count() only warns, or says nothing)."""
-    if torch.cuda.device_count():
-        return ""
     try:
         torch.cuda.init()
     except Exception as error:  # AssertionError (no CUDA build), RuntimeError (the driver's): CUDA's reason
@@ -52,10 +50,10 @@ def init(device_type: str, backend: str, timeout_s: float) -> DistEnv:
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     if device_type == "cuda":
-        if local_rank >= torch.cuda.device_count():
-            raise RuntimeError(f"local rank {local_rank} has no GPU: this process sees "
-                               f"{torch.cuda.device_count()} (CUDA_VISIBLE_DEVICES="
-                               f"{os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}){why_no_gpu()}")
+        count = torch.cuda.device_count()
+        if local_rank >= count:
+            raise RuntimeError(f"local rank {local_rank} has no GPU: this process sees {count} (CUDA_VISIBLE_DEVICES="
+                               f"{os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}){'' if count else why_no_gpu()}")
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
     else:

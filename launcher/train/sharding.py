@@ -5,11 +5,10 @@ Every rank keeps 1/world of each weight, gradient and optimizer moment (Shard(0)
 micro-batches of an accumulating step its own whole gradients, which the last one's backward reduce-scatters) and
 all-gathers a block's weights while the block runs. A checkpoint holds the full weights in DDP's
 model.safetensors: rank 0 gathers them (one all-gather per tensor, to host memory), and a start reads them and
-keeps its own rows. So a
-transformers job's checkpoint stays a save_pretrained dir. The optimizer's moments are written by every rank
-in shards (launcher/train/sharded_checkpoint.py). A checkpoint resumes on any world size and on either strategy;
-a DDP checkpoint's full moments load on fsdp by shard_optimizer_state. Exercised by: tests/test_fsdp.py
-(`python -m launcher +exp=toy strategy=fsdp`).
+keeps its own rows. So a transformers job's checkpoint stays a save_pretrained dir. The optimizer's moments are
+written by every rank in shards (launcher/train/sharded_checkpoint.py). A checkpoint resumes on any world size and
+on either strategy; a DDP checkpoint's full moments load on fsdp by shard_optimizer_state. Exercised by:
+tests/test_fsdp.py (`python -m launcher +exp=toy strategy=fsdp`).
 """
 from __future__ import annotations
 
