@@ -255,6 +255,8 @@ forward = len(gathered)
 loss.backward()
 if torch.distributed.get_rank() == 0:  # both ranks' lines could run into one
     print(json.dumps({"said": said, "forward": forward, "total": len(gathered)}))
+del model, loss
+dist.shutdown()  # as the worker ends: a process group left to the interpreter's exit may abort it
 '''
 
 
