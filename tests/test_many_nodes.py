@@ -8,14 +8,16 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from conftest import assert_same_float64_weights, run_cli
+from conftest import assert_same_float64_weights, on_the_cpu_plan, run_cli, subprocess_env
 from helpers import NODES_COMMON as COMMON
 from helpers import children, free_port, node
+from launcher.launch.workers_address import route_toward, workers_address
 
 pytestmark = pytest.mark.slow
 
@@ -52,6 +54,52 @@ def test_two_nodes_train_like_one_node_with_two_workers(tmp_path: Path, one_node
         code, text = finish(proc)
         assert code == 0, text[-3000:]
     assert json.loads((run_dir / "summary.json").read_text())["world_size"] == 2
+    assert_same_float64_weights(run_dir, one_node, 12)
+
+
+NAMELESS = "nowhere.invalid"  # a name no resolver answers for (RFC 6761's .invalid)
+
+
+def nameless(*overrides: str) -> list[str]:
+    """The launcher's command on a machine whose hostname resolves nowhere: its own UTS namespace (as root) named
+    NAMELESS, as a container or cluster node whose name only DNS it cannot reach knows."""
+    return ["unshare", "--uts", "sh", "-c", f'hostname {NAMELESS} && exec "$@"', "sh",
+            sys.executable, "-m", "launcher", *on_the_cpu_plan(overrides)]
+
+
+def can_rename_the_host() -> bool:
+    try:
+        return subprocess.run(nameless()[:6] + ["true"], capture_output=True, timeout=30).returncode == 0
+    except OSError:
+        return False
+
+
+def test_the_workers_find_rank_0_s_store_at_an_address_every_node_reaches() -> None:
+    assert workers_address("localhost:0") == "localhost"  # one node alone (--standalone)
+    assert workers_address("127.0.0.1:29400") == "127.0.0.1"  # this machine serves the endpoint: as the nodes name it
+    assert workers_address(f"{NAMELESS}:29400") is None  # torch's own error follows, at the rendezvous
+    route = route_toward("192.0.2.1")  # TEST-NET-1: off this machine, where a route leads there at all
+    if route is not None:
+        assert workers_address("192.0.2.1:29400") == route[0] != "192.0.2.1"  # this machine's own address
+
+
+@pytest.mark.skipif(not can_rename_the_host(), reason="needs root and unshare --uts (util-linux)")
+def test_a_machine_whose_name_resolves_nowhere_runs_alone_and_as_two_nodes(tmp_path: Path, one_node: Path) -> None:
+    """pytorch#150532: rank 0's agent told the workers its getfqdn(), and its own store's client tried that name for
+    300 s before the run failed, one node or two. One node of two workers, and two nodes of one, on a machine named
+    NAMELESS; the nodes end equal to one node with two workers that could resolve its name."""
+    alone = subprocess.run(nameless(*COMMON, "launcher.nproc_per_node=2", f"hydra.run.dir={tmp_path / 'alone'}"),
+                           cwd=tmp_path, env=subprocess_env(), capture_output=True, text=True, timeout=120)
+    assert alone.returncode == 0, alone.stderr[-3000:]
+    assert_same_float64_weights(tmp_path / "alone", one_node, 12)
+    run_dir, port = tmp_path / "shared", free_port()
+    nodes = [subprocess.Popen(nameless(*COMMON, "launcher.nnodes=2", "launcher.nproc_per_node=1",
+                                       f"launcher.rdzv_endpoint=127.0.0.1:{port}", "launcher.rdzv_timeout_s=60",
+                                       f"hydra.run.dir={run_dir}"), cwd=tmp_path, env=subprocess_env(),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    for proc in nodes:
+        out, err = proc.communicate(timeout=120)
+        assert proc.returncode == 0, (out + err)[-3000:]
     assert_same_float64_weights(run_dir, one_node, 12)
 
 

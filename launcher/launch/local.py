@@ -33,6 +33,7 @@ from launcher.interrupted import say_on_ctrl_c
 from launcher.launch.agent_log import left_out_when_said
 from launcher.launch.plan import Plan
 from launcher.launch.run_log import forget_failure, record_failure
+from launcher.launch.workers_address import local_addr_args
 from launcher.preempt import (PREEMPTED_FILE, REQUEUE_EXIT_CODE, early_signal, preemption_signals, read_preempted,
                               stop_line, write_preempted)
 from launcher.rundir import HANG_DIR, SUMMARY_FILE, complete_steps, hang_summary
@@ -56,17 +57,19 @@ def c10d_rendezvous(endpoint: str, rdzv_id: str, timeout_s: int, hosts: bool | N
     and its wait for the other nodes (one that failed before its agent started) both end after `timeout_s`.
     `hosts`: whether this node's agent serves the endpoint's store. None leaves it to torch, which compares the
     endpoint with what this machine's hostname resolves to: where that is 127.0.1.1 (Debian's and Ubuntu's
-    /etc/hosts) or another network card's address, no node serves it and every agent waits for the timeout."""
+    /etc/hosts) or another network card's address, no node serves it and every agent waits for the timeout.
+    The workers find rank 0's store at an address, not at that node's name (launcher/launch/workers_address.py)."""
     is_host = "" if hosts is None else f",is_host={int(hosts)}"
     return ["--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}", f"--rdzv-id={rdzv_id}",
-            f"--rdzv-conf=join_timeout={timeout_s},read_timeout={timeout_s}{is_host}"]
+            f"--rdzv-conf=join_timeout={timeout_s},read_timeout={timeout_s}{is_host}", *local_addr_args(endpoint)]
 
 
 def local_rendezvous(plan: Plan, launcher: DictConfig, run_dir: Path) -> list[str]:
     """--standalone on one node (a free localhost port); on several, c10d at launcher.rdzv_endpoint (waits of
-    launcher.rdzv_timeout_s)."""
+    launcher.rdzv_timeout_s). Alone, the workers find the agent's store at localhost: where this machine's name
+    resolves nowhere (torch's address for it), a run of one node would wait 300 s and fail."""
     if plan.nnodes == 1:
-        return ["--standalone"]
+        return ["--standalone", *local_addr_args("localhost")]
     if launcher.node_rank is not None:  # static: node 0 serves the endpoint, every node names its own rank
         return ["--rdzv-backend=static", f"--rdzv-endpoint={launcher.rdzv_endpoint}",
                 f"--node-rank={launcher.node_rank}", f"--rdzv-conf=timeout={launcher.rdzv_timeout_s}"]
