@@ -43,7 +43,6 @@ def weights(run_dir: Path, step: int = STEPS) -> dict[str, torch.Tensor]:
     return load_file(run_dir / "checkpoints" / str(step) / "model.safetensors")
 
 
-
 def per_step(run_dir: Path, key: str) -> list:
     """`key` of every logged train step (eval records left out)."""
     return [m[key] for m in read_metrics(run_dir) if "eval" not in m and key in m]
@@ -56,10 +55,9 @@ def samples(run_dir: Path) -> list[tuple[int, list[int]]]:
 @pytest.fixture(scope="module")
 def fixed(tmp_path_factory: pytest.TempPathFactory) -> dict[int, Path]:
     """Runs that never run out of memory, at micro-batch 8 and at micro-batch 4."""
-    runs = {}
-    for size in (8, 4):
-        runs[size] = tmp_path_factory.mktemp("fixed") / str(size)
-        launch(runs[size], f"train.micro_batch_size={size}")
+    runs = {size: tmp_path_factory.mktemp("fixed") / str(size) for size in (8, 4)}
+    for size, run_dir in runs.items():
+        launch(run_dir, f"train.micro_batch_size={size}")
     return runs
 
 
@@ -83,10 +81,11 @@ def test_fsdp_s_first_size_to_try_is_on_the_line_through_two_small_trials() -> N
     assert first_to_try(sizes, peaks, lambda size: 0, usable=500) == 1  # none: the smallest, whose trial says so
 
 
-def test_running_out_while_torch_compile_compiles_is_running_out() -> None:
+def test_running_out_while_torch_compile_compiles_or_in_a_cuda_library_is_running_out() -> None:
     """inductor's autotuning (train.compile_mode=max-autotune) runs kernels while it compiles, and dynamo raises
     what runs out there inside its own error: the step, the probe and the worker's exit take it as running out (it
-    once ended the run as a failed compile). A real torch.compile, whose backend runs out here as autotuning would."""
+    once ended the run as a failed compile). A real torch.compile, whose backend runs out here as autotuning would.
+    So is a CUDA library's handle that cannot be made (the first backward's cuBLAS one, at the first trial's peak)."""
     def runs_out(graph, inputs):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
 
@@ -110,6 +109,10 @@ def test_running_out_while_torch_compile_compiles_is_running_out() -> None:
                 raise RuntimeError("the launcher's own line") from (out if chained else None)
         except RuntimeError as other:
             assert out_of_memory_in(other) is None
+    library = RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`")
+    assert isinstance(out_of_memory_in(library), torch.OutOfMemoryError)
+    for other in ("CUDA error: CUBLAS_STATUS_NOT_SUPPORTED", "rank 1: CUBLAS_STATUS_ALLOC_FAILED"):  # not running out
+        assert out_of_memory_in(RuntimeError(other)) is None
 
 
 def test_probe_takes_the_largest_size_that_fits_on_every_rank(tmp_path: Path, fixed) -> None:

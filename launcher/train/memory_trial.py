@@ -1,9 +1,10 @@
 """One forward and backward of the job's largest batch of a size, and the GPU memory it took: the trials of
 train.micro_batch_size=auto (launcher/train/micro_batch.py; sharded_micro_batch.py for strategy=fsdp), and what
-running out is (out_of_memory_in: also inside torch.compile's errors)."""
+running out is (out_of_memory_in: also inside torch.compile's errors, and a CUDA library's)."""
 from __future__ import annotations
 
 import gc
+import re
 from contextlib import nullcontext
 from typing import TYPE_CHECKING, Any
 
@@ -39,10 +40,24 @@ def out_of_memory_in(error: BaseException) -> torch.OutOfMemoryError | None:
     for _ in range(8):  # (each wrapper holds the next: a few deep at most)
         if isinstance(error, torch.OutOfMemoryError):
             return error
+        if library_ran_out(error):
+            return torch.OutOfMemoryError(str(error).strip().splitlines()[0])
         if not isinstance(error, TorchDynamoException):
             return None
         error = getattr(error, "inner_exception", None) or error.__cause__
     return None
+
+
+# A CUDA library that cannot get GPU memory: "CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling
+# `cublasCreate(handle)`", cuDNN's, cuSOLVER's, cuFFT's. Their handles are made at a thread's first call, with
+# cudaMalloc outside torch's allocator, which cannot free its cache for them: the first backward (autograd's own
+# thread) makes cuBLAS's at the probe's first trial, at its peak, where a size too large then ran out as this
+# RuntimeError, and the run ended where a smaller micro-batch would fit.
+LIBRARY_RAN_OUT = re.compile(r"^(CUDA|cuDNN) error: CU[A-Z]+_(STATUS_)?ALLOC_FAILED\b")
+
+
+def library_ran_out(error: BaseException) -> bool:
+    return isinstance(error, RuntimeError) and LIBRARY_RAN_OUT.match(str(error).strip()) is not None
 
 
 def free_memory(device: torch.device) -> None:
