@@ -36,9 +36,6 @@ TORCHRUN_DEFAULT_SIGNALS = frozenset({signal.SIGTERM, signal.SIGINT, signal.SIGH
 # the agent sends SIGKILL after a fixed 30 s (PContext.close's default), whatever the config says.
 TORCHRUN_SHUTDOWN_TIMEOUT = "--shutdown-timeout" in TORCHRUN_FLAGS
 TORCHRUN_FIXED_SHUTDOWN_S = 30
-# torchrun --local-addr: the address that rank 0's agent gives the workers for its store
-# (launcher/launch/workers_address.py). Without it, the agent's getfqdn() stands.
-TORCHRUN_LOCAL_ADDR = "--local-addr" in TORCHRUN_FLAGS
 
 # DDP forward_sync_buffers=False (torch 2.13): buffers are broadcast at init, never per forward. The older
 # spelling, broadcast_buffers=False, skips the init broadcast too (deprecated from 2.14 on); nothing is lost

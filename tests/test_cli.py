@@ -13,7 +13,6 @@ from omegaconf import OmegaConf
 from safetensors.torch import load_file
 
 from conftest import REPO, committed, on_the_cpu_plan, read_metrics, run_cli, subprocess_env
-from launcher.compat import TORCHRUN_LOCAL_ADDR
 from launcher.derived import config_hash
 
 pytestmark = pytest.mark.slow
@@ -200,7 +199,7 @@ def test_a_slurm_job_of_two_8_gpu_nodes_is_one_task_per_node_and_a_world_of_16(t
     assert len(torchrun) == 1 and "--nnodes=2 --nproc-per-node=8" in torchrun[0] and "srun" not in torchrun[0]
     assert ",is_host=<1 on the first node, else 0> " in torchrun[0]  # the first node's task serves the rendezvous
     # each node's agent gives the workers an address for rank 0's store, not torch's getfqdn() (tests/test_many_nodes.py)
-    assert " --local-addr=<the node's address toward the first node> " in torchrun[0] or not TORCHRUN_LOCAL_ADDR
+    assert " --local-addr=<the node's address toward the first node> " in torchrun[0]
     # srun asks for the task's CPUs again: Slurm 22.05-23.02's steps do not inherit sbatch's (tests/test_slurm.py)
     assert params["srun_args"] == [f"--cpus-per-task={params['cpus_per_task']}"] == ["--cpus-per-task=8"]
 

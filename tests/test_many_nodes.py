@@ -11,13 +11,14 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 
 from conftest import assert_same_float64_weights, on_the_cpu_plan, run_cli, subprocess_env
 from helpers import NODES_COMMON as COMMON
 from helpers import children, free_port, node
-from launcher.launch.workers_address import route_toward, workers_address
+from launcher.launch.workers_address import interface_of, route_toward, serves_rendezvous, workers_address
 
 pytestmark = pytest.mark.slow
 
@@ -78,9 +79,13 @@ def test_the_workers_find_rank_0_s_store_at_an_address_every_node_reaches() -> N
     assert workers_address("localhost:0") == "localhost"  # one node alone (--standalone)
     assert workers_address("127.0.0.1:29400") == "127.0.0.1"  # this machine serves the endpoint: as the nodes name it
     assert workers_address(f"{NAMELESS}:29400") is None  # torch's own error follows, at the rendezvous
+    assert serves_rendezvous("127.0.0.1:29400") is serves_rendezvous(f"{NAMELESS}:29400") is None  # torch's guess
+    ipv6 = Path("/proc/net/if_inet6").is_file() and "0" * 31 + "1 " in Path("/proc/net/if_inet6").read_text()
+    assert interface_of("127.0.0.1") == "lo" and interface_of("::1") == ("lo" if ipv6 else None)
     route = route_toward("192.0.2.1")  # TEST-NET-1: off this machine, where a route leads there at all
     if route is not None:
         assert workers_address("192.0.2.1:29400") == route[0] != "192.0.2.1"  # this machine's own address
+        assert serves_rendezvous("192.0.2.1:29400") is False  # another machine serves it
 
 
 @pytest.mark.skipif(not can_rename_the_host(), reason="needs root and unshare --uts (util-linux)")
@@ -100,6 +105,60 @@ def test_a_machine_whose_name_resolves_nowhere_runs_alone_and_as_two_nodes(tmp_p
     for proc in nodes:
         out, err = proc.communicate(timeout=120)
         assert proc.returncode == 0, (out + err)[-3000:]
+    assert_same_float64_weights(run_dir, one_node, 12)
+
+
+@pytest.fixture
+def two_machines() -> Iterator[tuple[list[list[str]], list[str]]]:
+    """Two machines for the network, one for the files: two network namespaces (each its own loopback) joined by a
+    veth pair, the first at 10.213.0.1. This machine's name resolves to no address of theirs, or to the loopback
+    each has (here: vm, 127.0.0.1), as a Debian or Ubuntu node's resolves to 127.0.1.1. Yields the commands that
+    run a program on each, and their network interfaces."""
+    tag = f"{os.getpid() % 100_000}"
+    spaces, links = [f"launcher-test-{tag}-{i}" for i in (0, 1)], [f"lt{tag}v{i}" for i in (0, 1)]
+    setup = [["ip", "netns", "add", spaces[0]], ["ip", "netns", "add", spaces[1]],
+             ["ip", "link", "add", links[0], "type", "veth", "peer", "name", links[1]]]
+    for i, (space, link) in enumerate(zip(spaces, links)):
+        setup += [["ip", "link", "set", link, "netns", space],
+                  ["ip", "-n", space, "addr", "add", f"10.213.0.{i + 1}/24", "dev", link],
+                  ["ip", "-n", space, "link", "set", link, "up"], ["ip", "-n", space, "link", "set", "lo", "up"]]
+    try:
+        for command in setup:
+            made = subprocess.run(command, capture_output=True, text=True, timeout=30)
+            if made.returncode != 0:
+                pytest.skip(f"needs root and iproute2's network namespaces: {' '.join(command)}: {made.stderr.strip()}")
+        yield [["ip", "netns", "exec", space] for space in spaces], links
+    finally:
+        for space in spaces:  # (takes its end of the veth pair with it)
+            subprocess.run(["ip", "netns", "del", space], capture_output=True, timeout=30)
+
+
+def test_two_machines_whose_names_resolve_to_loopback_meet_at_an_address(tmp_path: Path, one_node: Path,
+                                                                         two_machines) -> None:
+    """pytorch#73656: the endpoint is the first machine's address, which torch's guess (its name's address) did not
+    match, so no node served the rendezvous; the workers were told the name of rank 0's machine, which is each
+    machine's own loopback; gloo bound the loopback its name resolves to. Each waited minutes, then failed. Now
+    the first serves it, the workers meet at its address, gloo binds the veth's interface, and the nodes train as
+    one node with two workers."""
+    machines, interfaces = two_machines
+    endpoint = f"10.213.0.1:{free_port()}"
+    for machine, interface, serves in zip(machines, interfaces, ("True", "False")):
+        chosen = subprocess.run([*machine, sys.executable, "-c", "from launcher.launch import workers_address as w; "
+                                 f"print(w.serves_rendezvous('{endpoint}'), w.gloo_interface('{endpoint}'))"],
+                                env=subprocess_env(), capture_output=True, text=True, timeout=60)
+        assert chosen.stdout.strip() == f"{serves} {{'GLOO_SOCKET_IFNAME': '{interface}'}}", chosen.stderr[-2000:]
+    run_dir = tmp_path / "shared"
+    args = on_the_cpu_plan([*COMMON, "launcher.nnodes=2", "launcher.nproc_per_node=1", "launcher.rdzv_timeout_s=60",
+                            f"launcher.rdzv_endpoint={endpoint}", "dist.startup_timeout_s=60",
+                            f"hydra.run.dir={run_dir}"])
+    nodes = []
+    for machine in machines:
+        nodes.append(subprocess.Popen([*machine, sys.executable, "-m", "launcher", *args], cwd=tmp_path,
+                                      env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        time.sleep(1)  # (the first serves the rendezvous)
+    for proc in nodes:
+        code, text = finish(proc)
+        assert code == 0, text[-3000:]
     assert_same_float64_weights(run_dir, one_node, 12)
 
 

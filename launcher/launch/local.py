@@ -33,7 +33,7 @@ from launcher.interrupted import say_on_ctrl_c
 from launcher.launch.agent_log import left_out_when_said
 from launcher.launch.plan import Plan
 from launcher.launch.run_log import forget_failure, record_failure
-from launcher.launch.workers_address import local_addr_args
+from launcher.launch.workers_address import gloo_interface, serves_rendezvous, workers_address
 from launcher.preempt import (PREEMPTED_FILE, REQUEUE_EXIT_CODE, early_signal, preemption_signals, read_preempted,
                               stop_line, write_preempted)
 from launcher.rundir import HANG_DIR, SUMMARY_FILE, complete_steps, hang_summary
@@ -52,16 +52,20 @@ def torchrun_args(config_path: Path, plan: Plan, launcher: DictConfig, rendezvou
             *torchrun_shutdown_args(launcher.shutdown_timeout_s), "--module", "launcher.train.worker", str(config_path)]
 
 
-def c10d_rendezvous(endpoint: str, rdzv_id: str, timeout_s: int, hosts: bool | None = None) -> list[str]:
+def c10d_rendezvous(endpoint: str, rdzv_id: str, timeout_s: int, hosts: bool | None,
+                    workers_at: str | None) -> list[str]:
     """torchrun's rendezvous arguments for a multi-node job: every node's agent meets at `endpoint`; its connection
     and its wait for the other nodes (one that failed before its agent started) both end after `timeout_s`.
     `hosts`: whether this node's agent serves the endpoint's store. None leaves it to torch, which compares the
     endpoint with what this machine's hostname resolves to: where that is 127.0.1.1 (Debian's and Ubuntu's
     /etc/hosts) or another network card's address, no node serves it and every agent waits for the timeout.
-    The workers find rank 0's store at an address, not at that node's name (launcher/launch/workers_address.py)."""
+    `workers_at`: where the workers find rank 0's store should this node's agent be rank 0 (torchrun's
+    --local-addr; None: torch's getfqdn() of this machine), an address rather than a name that may resolve nowhere
+    else (launcher/launch/workers_address.py)."""
     is_host = "" if hosts is None else f",is_host={int(hosts)}"
+    local_addr = [f"--local-addr={workers_at}"] if workers_at else []
     return ["--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}", f"--rdzv-id={rdzv_id}",
-            f"--rdzv-conf=join_timeout={timeout_s},read_timeout={timeout_s}{is_host}", *local_addr_args(endpoint)]
+            f"--rdzv-conf=join_timeout={timeout_s},read_timeout={timeout_s}{is_host}", *local_addr]
 
 
 def local_rendezvous(plan: Plan, launcher: DictConfig, run_dir: Path) -> list[str]:
@@ -69,12 +73,14 @@ def local_rendezvous(plan: Plan, launcher: DictConfig, run_dir: Path) -> list[st
     launcher.rdzv_timeout_s). Alone, the workers find the agent's store at localhost: where this machine's name
     resolves nowhere (torch's address for it), a run of one node would wait 300 s and fail."""
     if plan.nnodes == 1:
-        return ["--standalone", *local_addr_args("localhost")]
+        return ["--standalone", "--local-addr=localhost"]
     if launcher.node_rank is not None:  # static: node 0 serves the endpoint, every node names its own rank
         return ["--rdzv-backend=static", f"--rdzv-endpoint={launcher.rdzv_endpoint}",
                 f"--node-rank={launcher.node_rank}", f"--rdzv-conf=timeout={launcher.rdzv_timeout_s}"]
     rdzv_id = launcher.rdzv_id or "launcher-" + hashlib.sha256(str(run_dir).encode()).hexdigest()[:12]
-    return c10d_rendezvous(launcher.rdzv_endpoint, rdzv_id, launcher.rdzv_timeout_s)
+    return c10d_rendezvous(launcher.rdzv_endpoint, rdzv_id, launcher.rdzv_timeout_s,
+                           hosts=serves_rendezvous(launcher.rdzv_endpoint),
+                           workers_at=workers_address(launcher.rdzv_endpoint))
 
 
 def run_local(config_path: Path, plan: Plan, launcher: DictConfig, config: dict[str, Any],
@@ -186,6 +192,8 @@ def run_agent(config_path: Path, plan: Plan, launcher: DictConfig, rendezvous: l
     shutil.rmtree(run_dir / HANG_DIR, ignore_errors=True)  # reports of an earlier launch say nothing now
     forget_failure(run_dir)  # (its error.txt neither)
     env = {**worker_env(plan, run_dir), **(extra_env or {})}
+    if plan.nnodes > 1:  # gloo's ranks of the other machines reach this one (launcher/launch/workers_address.py)
+        env.update(gloo_interface(rendezvous_endpoint(rendezvous)))
     if plan.device_type == "cuda":  # where the flight recorder dumps (torch does not make the folder)
         (run_dir / COMM_TRACES_DIR).mkdir(exist_ok=True)
     for note in fallback_notes(signals, launcher.shutdown_timeout_s):

@@ -23,6 +23,7 @@ from launcher.launch.local import c10d_rendezvous, run_agent
 from launcher.launch.plan import Plan
 from launcher.launch.run_lock import launch_lock
 from launcher.launch.run_log import kept_in
+from launcher.launch.workers_address import workers_address
 from launcher.preempt import OUT_OF_MEMORY_EXIT_CODE, PREEMPTED_FILE, REQUEUE_EXIT_CODE, read_preempted
 from launcher.train.phases import LAUNCH_TIME
 
@@ -65,8 +66,9 @@ class NodeTask(submitit.helpers.Checkpointable):
             # task (global rank 0: Slurm starts a step's task 0 on the first node, where the batch script runs and
             # srun was called from) serves the store there: torch's own guess fails on many nodes (c10d_rendezvous).
             host = os.environ.get("SLURM_LAUNCH_NODE_IPADDR") or env.hostnames[0]
-            rendezvous = c10d_rendezvous(f"{host}:{rendezvous_port(env.job_id, restart)}", f"{env.job_id}-{restart}",
-                                         cfg.launcher.rdzv_timeout_s, hosts=first)
+            endpoint = f"{host}:{rendezvous_port(env.job_id, restart)}"
+            rendezvous = c10d_rendezvous(endpoint, f"{env.job_id}-{restart}", cfg.launcher.rdzv_timeout_s,
+                                         hosts=first, workers_at=workers_address(endpoint))
             os.environ[LAUNCH_TIME] = str(time.time())  # (sbatch copied the submit host's: not the queue's time)
             code = run_agent(config_path, Plan(**cfg.plan), cfg.launcher, rendezvous)
         if code in (REQUEUE_EXIT_CODE, OUT_OF_MEMORY_EXIT_CODE):

@@ -25,7 +25,6 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 from submitit.core.utils import FailedJobError
 
-from launcher.compat import TORCHRUN_LOCAL_ADDR
 from launcher.derived import ConfigError
 from launcher.launch.local import c10d_rendezvous, torchrun_args
 from launcher.launch.plan import Plan
@@ -293,7 +292,7 @@ def print_plan(runs: list[Submission], params: dict[str, Any], folder: Path) -> 
         cfg = OmegaConf.load(run.config_path)
         rendezvous = [arg.replace("is_host=1", "is_host=<1 on the first node, else 0>") for arg in c10d_rendezvous(
             "<first node address>:<port from the job id>", "<job id>-<requeue count>", cfg.launcher.rdzv_timeout_s,
-            hosts=True)] + (["--local-addr=<the node's address toward the first node>"] if TORCHRUN_LOCAL_ADDR else [])
+            hosts=True, workers_at="<the node's address toward the first node>")]
         args = torchrun_args(run.config_path, run.plan, cfg.launcher, rendezvous)
         print(f"run dir {run.run_dir}: {asdict(run.plan)}")
         print(f"  on each of {run.plan.nnodes} node(s): python -m torch.distributed.run {' '.join(args)}")
