@@ -53,7 +53,7 @@ def out_of_memory_in(error: BaseException) -> torch.OutOfMemoryError | None:
 # cudaMalloc outside torch's allocator, which cannot free its cache for them: the first backward (autograd's own
 # thread) makes cuBLAS's at the probe's first trial, at its peak, where a size too large then ran out as this
 # RuntimeError, and the run ended where a smaller micro-batch would fit.
-LIBRARY_RAN_OUT = re.compile(r"^(CUDA|cuDNN) error: CU[A-Z]+_(STATUS_)?ALLOC_FAILED\b")
+LIBRARY_RAN_OUT = re.compile(r"^[A-Za-z]+ error: CU[A-Z]+_(STATUS_)?ALLOC_FAILED\b")  # (CUDA, cuDNN, cuFFT error)
 
 
 def library_ran_out(error: BaseException) -> bool:
