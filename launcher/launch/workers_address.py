@@ -14,11 +14,14 @@ import socket
 import struct
 from pathlib import Path
 
+from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
+
 SIOCGIFADDR = 0x8915  # Linux's ioctl for an interface's IPv4 address
 
 
 def host_of(endpoint: str) -> str:
-    return endpoint.rsplit(":", 1)[0].strip("[]")
+    """The endpoint's host as torchrun reads it (an IPv6 address in brackets or not)."""
+    return parse_rendezvous_endpoint(endpoint, default_port=0)[0]
 
 
 def loopback(address: str) -> bool:
