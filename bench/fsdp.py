@@ -1,7 +1,8 @@
 """Issue 40's numbers: strategy=fsdp against strategy=ddp on the same workload, interleaved A B A B.
 
 +exp=bench (BERT 4 x 256, seq 128, random tokens, micro-batch 8, accumulation 4, AdamW, clipping 1.0) on 2 ranks
-(gloo on the CPU; on a GPU machine --gpu: BERT-base on one GPU, bf16, eager and compiled). Per row and round:
+(gloo on the CPU; on a GPU machine --gpu: BERT-base on one GPU, bf16, eager and compiled); fsdp also with
+strategy.reduce_every_micro_batch (the gradients stay sharded between micro-batches). Per row and round:
 seconds per optimizer step (median over log intervals after the first), peak memory of rank 0 (RSS on the CPU,
 allocated on a GPU), and the state each rank keeps (summary.json's state_bytes_per_rank: weights, gradients,
 optimizer). On one GPU fsdp shards over a world of 1: the numbers there are its overhead against ddp, not its
@@ -30,7 +31,9 @@ GPU = ("+exp=bench", "launcher.device=cuda", "launcher.nproc_per_node=1", "model
        "model.heads=12", "train.global_batch_size=512", "train.micro_batch_size=128", "precision=bf16",
        "train.max_steps=40", "train.log_every=5", "train.eval_every=0")
 # what each row runs (with --gpu also compiled: one graph for ddp, each block for fsdp)
-EAGER = {"ddp": ("strategy=ddp", "train.compile=false"), "fsdp": ("strategy=fsdp", "train.compile=false")}
+EAGER = {"ddp": ("strategy=ddp", "train.compile=false"), "fsdp": ("strategy=fsdp", "train.compile=false"),
+         "fsdp, reduce every micro-batch": ("strategy=fsdp", "train.compile=false",
+                                            "strategy.reduce_every_micro_batch=true")}
 COMPILED = {"ddp, compiled": ("strategy=ddp", "train.compile=true"),
             "fsdp, compiled per block": ("strategy=fsdp", "train.compile=true")}
 

@@ -189,6 +189,9 @@ class StrategyConfig:
     # train.compile_scope=block compiles; null: the model's own (transformers' _no_split_modules, else the layers of
     # its stack, e.g. BertLayer), else each Linear
     block: Optional[str] = None
+    # fsdp only: reduce-scatter each micro-batch's gradients into the shards (1/world of the gradient memory, K
+    # reduce-scatters a step); false holds each rank's whole gradients until the step's last micro-batch (one)
+    reduce_every_micro_batch: Optional[bool] = None
 
 
 @dataclass

@@ -54,15 +54,18 @@ def test_bert_on_one_gpu(tmp_path: Path, tiny_bert: Path, precision: str) -> Non
     assert steps[-1]["tokens_per_sec"] > 0 and ("loss_scale" in steps[-1]) == (precision == "fp16")
 
 
-@pytest.mark.parametrize("precision,compiled", [("bf16", False), ("fp16", False), ("bf16", True)],
-                         ids=["bf16", "fp16", "bf16-compiled"])
-def test_fsdp_on_one_gpu(tmp_path: Path, tiny_bert: Path, precision: str, compiled: bool) -> None:
+@pytest.mark.parametrize("precision,compiled,reduce_every", [("bf16", False, False), ("fp16", False, False),
+                                                            ("bf16", True, False), ("fp16", False, True)],
+                         ids=["bf16", "fp16", "bf16-compiled", "fp16-reduce-every-micro-batch"])
+def test_fsdp_on_one_gpu(tmp_path: Path, tiny_bert: Path, precision: str, compiled: bool, reduce_every: bool) -> None:
     """strategy=fsdp on CUDA: FSDP2's 16-bit gathers and float32 reduction, GradScaler on its DTensor gradients, each
     block compiled by inductor's Triton kernels, and checkpoints of full tensors that transformers loads, written
     in the background while training goes on (the shards from pinned copies queued behind the step), each naming
-    the float32 of its weights though the module holds 16-bit copies mid-step."""
+    the float32 of its weights though the module holds 16-bit copies mid-step; with strategy.reduce_every_micro_batch
+    the scaled gradients of each of the 4 micro-batches reduce-scattered into the shards."""
     run_dir = run_ok(tmp_path, "+exp=bert", f"model.pretrained={tiny_bert}", *ONE_GPU, f"precision={precision}",
                      "strategy=fsdp", f"train.compile={str(compiled).lower()}", "train.max_steps=20",
+                     f"strategy.reduce_every_micro_batch={str(reduce_every).lower()}",
                      "train.ckpt_every=5", "train.keep_checkpoints=4", "data.n_train=400", "data.n_eval=101")
     summary = json.loads((run_dir / "summary.json").read_text())
     assert (summary["strategy"], summary["precision"]) == ("fsdp", precision) and summary["skipped_steps"] < 20

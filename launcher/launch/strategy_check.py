@@ -22,9 +22,10 @@ def check_strategy(cfg: DictConfig, device_type: str, compiles: bool) -> None:
     name = getattr(strategy.name, "value", strategy.name)  # Enum when typed
     scope = cfg.train.compile_scope
     if name == "ddp":
-        if strategy.reshard_after_forward is not None:
-            raise ConfigError(f"strategy.reshard_after_forward={strategy.reshard_after_forward} has no effect with "
-                              f"strategy=ddp; add strategy=fsdp, or drop strategy.reshard_after_forward")
+        for key in ("reshard_after_forward", "reduce_every_micro_batch"):
+            if strategy[key] is not None:
+                raise ConfigError(f"strategy.{key}={str(strategy[key]).lower()} has no effect with strategy=ddp; "
+                                  f"add strategy=fsdp, or drop strategy.{key}")
         if strategy.block is not None and not (compiles and scope == "block"):
             raise ConfigError(f"strategy.block={strategy.block} has no effect with strategy=ddp unless "
                               f"train.compile_scope=block compiles the blocks; add strategy=fsdp or "

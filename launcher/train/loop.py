@@ -75,7 +75,8 @@ def train(run: Run, progress: Progress, stop: StopFlag, final_eval: dict[str, fl
             with run.profiler.step(step):
                 result = train_step(run.model, run.task, window, run.optimizer, ledger, run.scaler, run.precision,
                                     run.max_grad_norm, run.env.device, meter.timer, run.out_of_memory,
-                                    stop_requested=stop.requested)
+                                    stop_requested=stop.requested,
+                                    reduce_every_micro_batch=run.reduce_every_micro_batch)
             if result is not None:
                 meter.add(window.step_samples, result.loss, window.n_tokens, data_wait_s)
                 run.log.advance()

@@ -43,6 +43,7 @@ class Run:
     grad_accum_steps: int  # with train.micro_batch_size=auto: set by micro_batch.choose, halved by shrink
     micro_batch_size: int
     out_of_memory: micro_batch.OutOfMemoryAgreement  # auto: ranks agree whether one ran out (micro_batch.py)
+    reduce_every_micro_batch: bool  # strategy=fsdp: each backward reduce-scatters (the gradients stay sharded)
     max_steps: int
     max_grad_norm: float | None
     timeout_s: float  # collectives once the first step is done (dist.timeout_s)

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Callable
 
 from launcher.train.dist import all_gather_objects
 from launcher.train.memory_trial import forward_backward, moments_to_come, usable_bytes
+from launcher.train.sharding import state_bytes
 
 if TYPE_CHECKING:
     from launcher.train.run import Run
@@ -22,14 +23,16 @@ GiB = 2**30
 
 def held_later(run: Run, share: int) -> Callable[[int], int]:
     """Bytes a trial does not hold but a step at a size will: the optimizer's state (memory_trial.moments_to_come),
-    and, when a step accumulates over several micro-batches, the unsharded gradients FSDP2 keeps between them:
-    every weight's, in float32 under bf16/fp16 (FSDP2 accumulates in the reduce dtype, launcher/train/sharding.py),
-    else in the weight's dtype."""
+    and, when a step accumulates over several micro-batches, the gradients kept between them: FSDP2's unsharded
+    ones, every weight's, in float32 under bf16/fp16 (FSDP2 accumulates in the reduce dtype,
+    launcher/train/sharding.py), else in the weight's dtype; with strategy.reduce_every_micro_batch this rank's
+    shards of them, in the weights' dtype."""
     mixed = run.precision.autocast_dtype is not None
-    whole = sum(p.numel() * (4 if mixed else p.element_size())  # a DTensor's numel is the whole tensor's
-                for p in run.module.parameters() if p.requires_grad)
+    held = (state_bytes(run.module, run.optimizer)["grads"] if run.reduce_every_micro_batch else
+            sum(p.numel() * (4 if mixed else p.element_size())  # a DTensor's numel is the whole tensor's
+                for p in run.module.parameters() if p.requires_grad))
     state = moments_to_come(run)
-    return lambda size: state + (whole if share // size > 1 else 0)
+    return lambda size: state + (held if share // size > 1 else 0)
 
 
 def first_to_try(sizes: list[int], peaks: dict[int, int], later: Callable[[int], int], usable: float) -> int:

@@ -2,8 +2,9 @@
 checkpoints hold.
 
 Every rank keeps 1/world of each weight, gradient and optimizer moment (Shard(0) DTensors; between the
-micro-batches of an accumulating step its own whole gradients, which the last one's backward reduce-scatters) and
-all-gathers a block's weights while the block runs. A checkpoint holds the full weights in DDP's
+micro-batches of an accumulating step its own whole gradients, which the last one's backward reduce-scatters,
+unless strategy.reduce_every_micro_batch reduce-scatters each backward's: launcher/train/step.py) and all-gathers a
+block's weights while the block runs. A checkpoint holds the full weights in DDP's
 model.safetensors: rank 0 gathers them (one all-gather per tensor, to host memory), and a start reads them and
 keeps its own rows. So a transformers job's checkpoint stays a save_pretrained dir. The optimizer's moments are
 written by every rank in shards (launcher/train/sharded_checkpoint.py). A checkpoint resumes on any world size and
@@ -122,7 +123,8 @@ def is_dtensor(value: Any) -> bool:
 @contextmanager
 def no_gradient_sync(model: nn.Module) -> Iterator[None]:
     """The backwards inside accumulate this rank's gradients only: DDP's no_sync, or FSDP2's reduce-scatter off
-    (the gradients stay unsharded until the last micro-batch's backward reduces them)."""
+    (the gradients stay unsharded until the last micro-batch's backward reduces them; the step does not enter this
+    with strategy.reduce_every_micro_batch)."""
     if not is_sharded(model):
         with model.no_sync():
             yield

@@ -9,6 +9,7 @@ sync debug mode) and `python -m launcher +exp=toy`.
 """
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -34,9 +35,10 @@ class StepResult:
 def train_step(model: DDP | torch.nn.Module, task: Task, window: Window, optimizer: torch.optim.Optimizer,
                ledger: StepLedger, scaler: torch.amp.GradScaler, precision: Precision, max_grad_norm: float | None,
                device: torch.device, timer: ComputeTimer, out_of_memory: OutOfMemoryAgreement,
-               stop_requested: bool = False) -> StepResult | None:
+               stop_requested: bool = False, reduce_every_micro_batch: bool = False) -> StepResult | None:
     """One optimizer step; None when a rank ran out of memory before the gradient all-reduce (with
-    train.micro_batch_size=auto): then nothing changed, and every rank redoes the step in smaller pieces."""
+    train.micro_batch_size=auto): then nothing changed, and every rank redoes the step in smaller pieces.
+    `reduce_every_micro_batch` (strategy=fsdp only): every backward reduce-scatters its gradients."""
     # 0 for a rank without samples in a short window, and for repeated micro-batches (strategy=fsdp)
     n = len(window.micro_batches)
     weights = [0.0 if window.padding or i >= n - window.repeats else 1.0 for i in range(n)]
@@ -49,7 +51,8 @@ def train_step(model: DDP | torch.nn.Module, task: Task, window: Window, optimiz
     scale = world_size / n_items
     timer.start()  # this rank's compute before it waits for the others (straggler metric)
     try:
-        last_loss, loss_sum = forward_until_sync(model, task, window.micro_batches, weights, scale, scaler, precision)
+        last_loss, loss_sum = forward_until_sync(model, task, window.micro_batches, weights, scale, scaler, precision,
+                                                 reduce_every_micro_batch)
     except Exception as error:  # running out, also where torch.compile compiles the first step (memory_trial.py)
         if not (out_of_memory.redoes and out_of_memory_in(error)):  # a fixed size, or strategy=fsdp: the worker
             raise  # exits (micro_batch.exit_out_of_memory); any other error is no business of this step
@@ -79,18 +82,20 @@ def train_step(model: DDP | torch.nn.Module, task: Task, window: Window, optimiz
 
 
 def forward_until_sync(model: DDP | torch.nn.Module, task: Task, cpu_batches: list[dict], weights: list[float],
-                       scale: torch.Tensor, scaler: torch.amp.GradScaler,
-                       precision: Precision) -> tuple[torch.Tensor, torch.Tensor]:
+                       scale: torch.Tensor, scaler: torch.amp.GradScaler, precision: Precision,
+                       reduce_every_micro_batch: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Everything of the step that enters no collective: forward AND backward of micro-batches 1..K-1
     without a gradient sync (DDP all-reduces, FSDP reduce-scatters, only in the last backward), then the last
-    micro-batch's forward.
+    micro-batch's forward. (strategy=fsdp enters its gathers anyway, and with `reduce_every_micro_batch` each
+    backward reduce-scatters into the shards, where the gradients accumulate: 1/world of the memory that whole
+    gradients held between micro-batches take, for K reduce-scatters a step instead of one.)
     Each micro-batch goes to the device here, where running out of memory can still be redone (a nearly full
     GPU may fail the copy as well as the forward). Returns the last micro-batch's loss and the others' summed
     loss."""
     device = scale.device
     loss_sum = torch.zeros((), device=device)
     for batch, weight in zip(cpu_batches[:-1], weights):
-        with sharding.no_gradient_sync(model):
+        with nullcontext() if reduce_every_micro_batch else sharding.no_gradient_sync(model):
             with precision.autocast():
                 batch_loss = task.loss_sum(model, to_device(batch, device)) * weight
             scaler.scale(batch_loss * scale).backward()

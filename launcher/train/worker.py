@@ -86,6 +86,8 @@ def build(cfg: DictConfig, run_dir: Path, env: launcher_dist.DistEnv) -> Run:
     if cfg.strategy.name == "fsdp":  # (the parent lets no DDP key or graph split through)
         said = "strategy=fsdp: sharded " + sharding.shard(model, cfg.strategy.reshard_after_forward, cfg.strategy.block,
                                                            precision, env.device, env.world_size, compile_each)
+        if cfg.strategy.reduce_every_micro_batch:
+            said += "; each micro-batch's gradients reduce-scattered (strategy.reduce_every_micro_batch)"
         trained = model  # its forward gathers each block's weights
     else:
         said = None
@@ -119,6 +121,7 @@ def build(cfg: DictConfig, run_dir: Path, env: launcher_dist.DistEnv) -> Run:
               out_of_memory=micro_batch.OutOfMemoryAgreement(
                   auto, env.device, launcher_dist.startup_timeout_s(cfg.dist.startup_timeout_s, cfg.dist.timeout_s),
                   redoes=cfg.strategy.name != "fsdp"),  # fsdp's forward and backward enter collectives: no step is redone
+              reduce_every_micro_batch=bool(cfg.strategy.reduce_every_micro_batch),
               max_steps=train_cfg.max_steps,
               max_grad_norm=train_cfg.max_grad_norm, timeout_s=cfg.dist.timeout_s,
               checkpoint_timeout_s=cfg.dist.checkpoint_timeout_s, log_every=train_cfg.log_every,
