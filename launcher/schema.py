@@ -192,6 +192,10 @@ class StrategyConfig:
     # fsdp only: reduce-scatter each micro-batch's gradients into the shards (1/world of the gradient memory, K
     # reduce-scatters a step); false holds each rank's whole gradients until the step's last micro-batch (one)
     reduce_every_micro_batch: Optional[bool] = None
+    # fsdp only: the ranks each weight is sharded over: null, all of them; `node`, each node's own (hybrid sharding,
+    # HSDP: every node keeps a replica, and the gradients are all-reduced across the nodes); or a number of ranks
+    # that divides the world size (consecutive ranks: a node's, then the next node's)
+    shard_size: Optional[Union[int, str]] = None
 
 
 @dataclass

@@ -183,6 +183,28 @@ def train_cli(run_dir: Path, *overrides: str) -> dict[str, torch.Tensor]:
     return final_weights(run_dir)
 
 
+def trained(run_dir: Path, *overrides: str) -> Path:
+    """A run of `python -m launcher <overrides>` into run_dir that must succeed."""
+    out = run_cli(*overrides, f"hydra.run.dir={run_dir}", cwd=run_dir.parent)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
+    return run_dir
+
+
+def summary(run_dir: Path) -> dict:
+    return json.loads((run_dir / "summary.json").read_text())
+
+
+def assert_resumes_at_10_as_it_went_on(origin: Path, run_dir: Path, *overrides: str) -> None:
+    """A copy of `origin` (a float64 run with checkpoints at steps 10 and 20) without step 20, trained on with
+    `overrides` (another strategy or world size), reaches what `origin` reached at step 20."""
+    shutil.copytree(origin, run_dir)
+    shutil.rmtree(run_dir / "checkpoints" / "20")
+    (run_dir / "summary.json").unlink()
+    trained(run_dir, *overrides)
+    assert summary(run_dir)["resumed_from"] == 10
+    assert_params_close(weights(run_dir, 20), weights(origin, 20), rtol=1e-9)
+
+
 def assert_params_close(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], rtol: float) -> None:
     assert a.keys() == b.keys()
     for name in a:

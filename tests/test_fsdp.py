@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from conftest import compose_config, read_metrics, run_cli, run_torchrun
-from helpers import (DROPOUT, SLOW, assert_params_close, bitwise_equal, finish, preempt, sample_stream, start, wait_until,
-                     weights, worker_pid)
+from helpers import (DROPOUT, SLOW, assert_params_close, assert_resumes_at_10_as_it_went_on, bitwise_equal, finish,
+                     preempt, sample_stream, start, summary, trained, wait_until, weights, worker_pid)
 from launcher.compat import FSDP2_ON_CPU
 from launcher.derived import ConfigError
 from launcher.launch.plan import make_plan
@@ -34,13 +34,7 @@ MATH = ("+exp=toy", "model.dtype=float64", "data.dtype=float64", "data.n_samples
 
 
 def train(run_dir: Path, *overrides: str) -> Path:
-    out = run_cli(*MATH, *overrides, f"hydra.run.dir={run_dir}", cwd=run_dir.parent)
-    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
-    return run_dir
-
-
-def summary(run_dir: Path) -> dict:
-    return json.loads((run_dir / "summary.json").read_text())
+    return trained(run_dir, *MATH, *overrides)
 
 
 @pytest.fixture(scope="module")
@@ -83,13 +77,7 @@ def test_a_checkpoint_resumes_on_another_strategy_or_world(tmp_path: Path, pair:
     2 ranks' shards of the moments read as 3 ranks' rows; the toy's 2-row output layer leaves rank 2 an empty
     shard, which its own save, written in the foreground, writes too), trains to what the uninterrupted run
     reached at step 20."""
-    run_dir = tmp_path / "resumed"
-    shutil.copytree(pair[origin], run_dir)
-    shutil.rmtree(run_dir / "checkpoints" / "20")
-    (run_dir / "summary.json").unlink()
-    train(run_dir, *target)
-    assert summary(run_dir)["resumed_from"] == 10
-    assert_params_close(weights(run_dir, 20), weights(pair[origin], 20), rtol=1e-9)
+    assert_resumes_at_10_as_it_went_on(pair[origin], tmp_path / "resumed", *MATH, *target)
 
 
 def test_a_damaged_shard_of_the_moments_makes_its_checkpoint_unusable(tmp_path: Path, pair: dict[str, Path]) -> None:
@@ -248,7 +236,7 @@ _fsdp_param_group.foreach_all_gather = lambda *a, **k: gathered.append(1) or all
 torch.manual_seed(0)
 model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, 8), nn.Linear(8, 3), nn.LayerNorm(3))
 model[1].requires_grad_(False)  # a frozen BatchNorm (fine-tuning) is gathered in its own dtype too
-said = sharding.shard(model, True, None, Precision("bf16", "cpu"), torch.device("cpu"), 2)
+said = sharding.shard(model, True, None, Precision("bf16", "cpu"), torch.device("cpu"), 2, 2)
 with torch.autocast("cpu", torch.bfloat16):
     loss = model(torch.randn(6, 4)).float().sum()
 forward = len(gathered)

@@ -75,6 +75,7 @@ def test_fsdp_on_one_gpu(tmp_path: Path, tiny_bert: Path, precision: str, compil
     assert [config.get("dtype", config.get("torch_dtype")) for config in configs] == ["float32"] * 4  # (transformers 4)
     transformers.AutoModelForSequenceClassification.from_pretrained(run_dir / "checkpoints" / "20")
     assert (summary.get("compiled_graphs", 0) >= 1) == compiled
+    assert ("each micro-batch's gradients reduce-scattered" in (run_dir / "launcher.log").read_text()) == reduce_every
 
 
 def test_fp16_overflow_on_cuda_skips_halves_the_scale_and_holds_the_scheduler(tmp_path: Path) -> None:

@@ -211,7 +211,7 @@ def make_plan(cfg: DictConfig) -> Plan:
     # elastic: every world the run may go on with must divide the batch (the last one is this plan's)
     accumulations = {nodes * nproc: _accumulation(cfg, nodes * nproc) for nodes in range(fewest, nnodes + 1)}
     _check_compile(cfg.train, auto.get("compile", cfg.train.compile), accumulations, device_type)
-    check_strategy(cfg, device_type, auto.get("compile", cfg.train.compile) is True)
+    check_strategy(cfg, device_type, auto.get("compile", cfg.train.compile) is True, accumulations, nproc)
     return Plan(nnodes=nnodes, nproc_per_node=nproc, world_size=world_size,
                 grad_accum_steps=accumulations[world_size], device_type=device_type,
                 min_nnodes=fewest if fewest < nnodes else None, auto=auto or None)

@@ -9,20 +9,23 @@ from omegaconf import DictConfig
 
 from launcher.compat import FSDP2_ON_CPU
 from launcher.derived import CUDA_GRAPH_MODES, ConfigError
+from launcher.train.sharding import shard_size
 
 # DDP's own keys (conf: dist.*) with their defaults: under strategy=fsdp a changed one would do nothing
 DDP_KEYS = {"bucket_cap_mb": None, "gradient_as_bucket_view": True, "static_graph": False,
             "find_unused_parameters": False, "comm_hook": None}
 
 
-def check_strategy(cfg: DictConfig, device_type: str, compiles: bool) -> None:
+def check_strategy(cfg: DictConfig, device_type: str, compiles: bool, accumulations: dict[int, int | None],
+                   nproc_per_node: int) -> None:
     """Raise ConfigError for a strategy key that would do nothing, or an fsdp run this launcher cannot train
-    (`compiles`: what train.compile, after auto, says)."""
+    (`compiles`: what train.compile, after auto, says; `accumulations`: every world size the run may have, and its
+    micro-batches a step, None for train.micro_batch_size=auto)."""
     strategy = cfg.strategy
     name = getattr(strategy.name, "value", strategy.name)  # Enum when typed
     scope = cfg.train.compile_scope
     if name == "ddp":
-        for key in ("reshard_after_forward", "reduce_every_micro_batch"):
+        for key in ("reshard_after_forward", "reduce_every_micro_batch", "shard_size"):
             if strategy[key] is not None:
                 raise ConfigError(f"strategy.{key}={str(strategy[key]).lower()} has no effect with strategy=ddp; "
                                   f"add strategy=fsdp, or drop strategy.{key}")
@@ -49,6 +52,12 @@ def check_strategy(cfg: DictConfig, device_type: str, compiles: bool) -> None:
         raise ConfigError(f"train.compile_mode={cfg.train.compile_mode} captures CUDA graphs, which FSDP2's gathers "
                           f"between the blocks break; use train.compile_mode=max-autotune-no-cudagraphs, or "
                           f"strategy=ddp")
+    for world in accumulations:  # (elastic: each one the run may go on with)
+        shard_size(strategy.shard_size, world, nproc_per_node)
+    if strategy.reduce_every_micro_batch and set(accumulations.values()) == {1}:
+        raise ConfigError(f"strategy.reduce_every_micro_batch=true has no effect with one micro-batch a step "
+                          f"(train.micro_batch_size={cfg.train.micro_batch_size} of train.global_batch_size="
+                          f"{cfg.train.global_batch_size}: no accumulation); drop it, or lower train.micro_batch_size")
     for key, default in DDP_KEYS.items():
         if cfg.dist[key] != default:
             raise ConfigError(f"dist.{key}={cfg.dist[key]} is DDP's and has no effect with strategy=fsdp; drop it, "

@@ -6,7 +6,9 @@ checkpoint stays a save_pretrained dir and either strategy loads it. The optimiz
 parallel, and no rank holds more than its own. DCP reads them back on any world size: an fsdp start gets its rows,
 a ddp start the full tensors. The shards are written inside the checkpoint's temp dir. Each rank takes the sha256
 of its own files, and rank 0 puts them in the COMPLETE marker, so they count only with the rest, renamed together.
-Exercised by: tests/test_fsdp.py (resumes on ddp, on 3 fsdp ranks, after preemption and kill -9).
+Under hybrid sharding (strategy.shard_size) DCP writes each row that several replicas hold once.
+Exercised by: tests/test_fsdp.py (resumes on ddp, on 3 fsdp ranks, after preemption and kill -9) and
+tests/test_hybrid_sharding.py.
 """
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ from launcher.train.sharding import is_dtensor
 
 SHARDS = "optimizer"  # the checkpoint's folder of DCP files; train_state.pt names it ("optimizer_moments")
 _group: dist.ProcessGroup | None = None
+_timeout: timedelta | None = None
 _mesh: Any = None
 
 
@@ -29,9 +32,10 @@ def checkpoint_group(timeout_s: float) -> dist.ProcessGroup:
     resume). It is a group of its own because a background save runs DCP in a thread beside the training's
     collectives. It uses gloo, since DCP exchanges host objects. The timeout is a save's, since ranks wait there
     for the slowest writer."""
-    global _group
+    global _group, _timeout
     if _group is None:
-        _group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+        _timeout = timedelta(seconds=timeout_s)
+        _group = dist.new_group(backend="gloo", timeout=_timeout)
     return _group
 
 
@@ -55,15 +59,28 @@ def without_moments(optimizer_state: dict[str, Any]) -> dict[str, Any]:
 
 def on_host(like: Any, local: torch.Tensor) -> Any:
     """`local`, a host copy of the rows of the DTensor `like`, as a DTensor of the same global shape and placement
-    on a CPU mesh of the checkpoint group: what DCP plans a background write from (its rows' offsets)."""
-    from torch.distributed.device_mesh import DeviceMesh
+    on a CPU mesh laid out as `like`'s: what DCP plans a background write from (its rows' offsets; DCP writes a
+    row that several replicas hold once). Every rank calls this at the same point, the first time (groups are made)."""
     from torch.distributed.tensor import DTensor
 
     global _mesh
     if _mesh is None:
-        assert _group is not None, "checkpoint_group() comes first"
-        _mesh = DeviceMesh.from_group(_group, "cpu")
+        _mesh = _host_mesh(like.device_mesh)
     return DTensor.from_local(local, _mesh, like.placements, run_check=False, shape=like.shape, stride=like.stride())
+
+
+def _host_mesh(mesh: Any) -> Any:
+    """A CPU mesh of gloo groups with `mesh`'s layout: 1-D, the checkpoint group; hybrid sharding's 2-D mesh
+    (replicas x shards), a gloo group for each of its rows and for each of its columns."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    assert _group is not None, "checkpoint_group() comes first"
+    if mesh.ndim == 1:
+        return DeviceMesh.from_group(_group, "cpu")
+    layout = mesh.mesh  # the global ranks, (replicas, shards)
+    groups = [dist.new_subgroups_by_enumeration(ranks.tolist(), timeout=_timeout, backend="gloo")[0]
+              for ranks in (layout.t(), layout)]  # my replicas' group (a column), my shards' (a row)
+    return DeviceMesh.from_group(groups, "cpu", mesh=layout, mesh_dim_names=mesh.mesh_dim_names)
 
 
 def write(directory: Path, shards: dict[str, Any], digest: Callable[[Path], str]) -> dict[str, str]:

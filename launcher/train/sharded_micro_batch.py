@@ -46,7 +46,8 @@ def first_to_try(sizes: list[int], peaks: dict[int, int], later: Callable[[int],
 
 def probe_in_step(run: Run, sizes: list[int], smaller: str) -> tuple[int, str]:
     """Every rank: the largest of `sizes` that fits on every rank, and what the trials found. Each trial reduces
-    its gradients as a step's last micro-batch does (every rank is in it; the gradients land in the shards and
+    its gradients as a step's last micro-batch does (as every micro-batch does with strategy.reduce_every_micro_batch;
+    every rank is in it; the gradients land in the shards and
     zero_grad drops them). A size that does not fit by measurement moves every rank to the next smaller one;
     running out of memory raises, for micro_batch.exit_out_of_memory."""
     device, share = run.env.device, run.data_plan.global_batch_size // run.env.world_size

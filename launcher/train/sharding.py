@@ -4,12 +4,14 @@ checkpoints hold.
 Every rank keeps 1/world of each weight, gradient and optimizer moment (Shard(0) DTensors; between the
 micro-batches of an accumulating step its own whole gradients, which the last one's backward reduce-scatters,
 unless strategy.reduce_every_micro_batch reduce-scatters each backward's: launcher/train/step.py) and all-gathers a
-block's weights while the block runs. A checkpoint holds the full weights in DDP's
+block's weights while the block runs; with strategy.shard_size (hybrid sharding) 1/shard_size, each group of
+ranks a replica. A checkpoint holds the full weights in DDP's
 model.safetensors: rank 0 gathers them (one all-gather per tensor, to host memory), and a start reads them and
 keeps its own rows. So a transformers job's checkpoint stays a save_pretrained dir. The optimizer's moments are
 written by every rank in shards (launcher/train/sharded_checkpoint.py). A checkpoint resumes on any world size and
 on either strategy; a DDP checkpoint's full moments load on fsdp by shard_optimizer_state. Exercised by:
-tests/test_fsdp.py (`python -m launcher +exp=toy strategy=fsdp`).
+tests/test_fsdp.py, tests/test_fsdp_accumulation.py, tests/test_hybrid_sharding.py (`python -m launcher +exp=toy
+strategy=fsdp`).
 """
 from __future__ import annotations
 
@@ -66,13 +68,28 @@ def blocks(model: nn.Module, block: str | None) -> tuple[list[nn.Module], str]:
     return found, f"{len(found)} x {'/'.join(kinds)} ({why})"
 
 
+def shard_size(value: int | str | None, world_size: int, nproc_per_node: int) -> int:
+    """strategy.shard_size as a number of ranks: null, the world; `node`, a node's ranks; else a number that
+    divides the world (the parent checks it for every world size the run may have, the worker for the one it has)."""
+    size = world_size if value is None else nproc_per_node if value == "node" else value
+    if not isinstance(size, int) or isinstance(size, bool) or size < 1 or world_size % size:
+        raise ConfigError(f"strategy.shard_size={value} must be null (all {world_size} ranks), node, or a number of "
+                          f"ranks that divides the world size {world_size}")
+    return size
+
+
 def shard(model: nn.Module, reshard_after_forward: bool, block: str | None, precision: Precision,
-          device: torch.device, world_size: int,
+          device: torch.device, world_size: int, group_size: int,
           compile_blocks: Callable[[list[nn.Module]], None] | None = None) -> str:
     """fully_shard the model in place (each block, then the root); what was sharded, in words.
 
     `compile_blocks` (train.compile): the blocks' forwards are compiled in place first, torchtitan's way
     (launcher/train/compiled.py): FSDP2's gathers and reduce-scatters run eagerly between the compiled blocks.
+
+    `group_size` < `world_size` (strategy.shard_size) is hybrid sharding: consecutive ranks shard each weight among
+    themselves, and every such group keeps a replica (FSDP2's 2-D mesh: replicas x shards). The gathers then stay
+    within a group (a node's fast links), and each reduction is a reduce-scatter in the group, then an all-reduce of
+    the shard across the groups.
 
     Under bf16/fp16 the gathered weights are cast to that dtype once per gather (FSDP2's mixed precision: half
     the all-gather's bytes) and gradients are reduced in float32; the shards, and so the optimizer, stay in the
@@ -93,7 +110,9 @@ def shard(model: nn.Module, reshard_after_forward: bool, block: str | None, prec
     dtype = precision.autocast_dtype
     reduce_dtype = torch.float32 if dtype else None
     policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=reduce_dtype)
-    mesh = init_device_mesh(device.type, (world_size,))
+    replicas = world_size // group_size
+    mesh = (init_device_mesh(device.type, (world_size,)) if replicas == 1 else
+            init_device_mesh(device.type, (replicas, group_size), mesh_dim_names=("replicate", "shard")))
     found, said = blocks(model, block)
     if compile_blocks:
         compile_blocks(found)
@@ -107,7 +126,8 @@ def shard(model: nn.Module, reshard_after_forward: bool, block: str | None, prec
     root_chooses = inspect.signature(fully_shard).parameters["reshard_after_forward"].default is None
     fully_shard(model, mesh=mesh, reshard_after_forward=None if root_chooses and reshard_after_forward
                 else reshard_after_forward, mp_policy=policy)
-    return f"{said}, then the root" + (f"; {len(norms)} x BatchNorm gathered in its own dtype" if norms else "")
+    hybrid = f"; over {group_size} ranks, {replicas} replicas (hybrid)" if replicas > 1 else ""
+    return f"{said}, then the root{hybrid}" + (f"; {len(norms)} x BatchNorm gathered in its own dtype" if norms else "")
 
 
 def is_sharded(model: nn.Module) -> bool:
@@ -121,19 +141,21 @@ def is_dtensor(value: Any) -> bool:
 
 
 @contextmanager
-def no_gradient_sync(model: nn.Module) -> Iterator[None]:
+def no_gradient_sync(model: nn.Module, reduce_scatter: bool = False) -> Iterator[None]:
     """The backwards inside accumulate this rank's gradients only: DDP's no_sync, or FSDP2's reduce-scatter off
-    (the gradients stay unsharded until the last micro-batch's backward reduces them; the step does not enter this
-    with strategy.reduce_every_micro_batch)."""
+    (the gradients stay unsharded until the last micro-batch's backward reduces them). With `reduce_scatter`
+    (strategy.reduce_every_micro_batch) each backward still reduce-scatters into the shards; only hybrid sharding's
+    all-reduce across the replicas waits for the last micro-batch (pytorch#126166)."""
     if not is_sharded(model):
         with model.no_sync():
             yield
         return
-    model.set_requires_gradient_sync(False)
+    turn = model.set_requires_all_reduce if reduce_scatter else model.set_requires_gradient_sync
+    turn(False)
     try:
         yield
     finally:
-        model.set_requires_gradient_sync(True)
+        turn(True)
 
 
 def total_norm(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
@@ -169,13 +191,14 @@ def full_weights(model: nn.Module, on_rank_0: bool) -> dict[str, torch.Tensor]:
 
 def _my_rows(full: torch.Tensor, like: Any) -> torch.Tensor:
     """This rank's part of `full` as fully_shard keeps it (`like`: its DTensor): torch.chunk's piece along the
-    sharded dim (Shard(0) on a 1-D mesh), on the shard's device, in its dtype."""
-    from torch.distributed.tensor import Shard
+    sharded dim (Shard(0) on a 1-D mesh; on hybrid sharding's 2-D mesh Shard(0) within a group, the groups
+    replicas), on the shard's device, in its dtype."""
+    from torch.distributed.tensor import Replicate, Shard
 
-    (placement,) = like.placements
-    assert isinstance(placement, Shard), placement
-    pieces = torch.chunk(full, like.device_mesh.size(), dim=placement.dim)
-    rank = like.device_mesh.get_local_rank()
+    (mesh_dim, placement), = [(i, p) for i, p in enumerate(like.placements) if isinstance(p, Shard)]
+    assert all(isinstance(p, Replicate) for i, p in enumerate(like.placements) if i != mesh_dim), like.placements
+    pieces = torch.chunk(full, like.device_mesh.size(mesh_dim), dim=placement.dim)
+    rank = like.device_mesh.get_local_rank(mesh_dim)
     local = like.to_local()
     piece = pieces[rank] if rank < len(pieces) else full.new_empty(local.shape)
     if piece.shape != local.shape:

@@ -5,11 +5,11 @@ read by the host one step late (launcher/train/ledger.py), and a fused optimizer
 the device. With train.micro_batch_size=auto the ranks also agree, on the host, whether any ran out of
 memory before the gradient all-reduce (launcher/train/micro_batch.py). Exercised by:
 tests/test_distributed_math.py (real torchrun + gloo), tests/test_micro_batch.py, tests/test_gpu.py (CUDA,
-sync debug mode) and `python -m launcher +exp=toy`.
+sync debug mode), tests/test_fsdp.py, tests/test_fsdp_accumulation.py, tests/test_hybrid_sharding.py and
+`python -m launcher +exp=toy`.
 """
 from __future__ import annotations
 
-from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -61,7 +61,7 @@ def train_step(model: DDP | torch.nn.Module, task: Task, window: Window, optimiz
     if out_of_memory.any_rank_ran_out(last_loss is None):  # agreed before the step's one gradient all-reduce
         timer.drop_last()
         return None  # every rank drops the step (micro_batch.shrink) and redoes it in smaller micro-batches
-    scaler.scale(last_loss * scale).backward()  # DDP all-reduces (FSDP reduce-scatters) the gradients in this one
+    scaler.scale(last_loss * scale).backward()  # DDP all-reduces (FSDP reduce-scatters) the gradients here, once
     loss_sum += last_loss.detach().float()
 
     scaler.unscale_(optimizer)  # once per step: clip true gradients, not scaled ones
@@ -84,18 +84,19 @@ def train_step(model: DDP | torch.nn.Module, task: Task, window: Window, optimiz
 def forward_until_sync(model: DDP | torch.nn.Module, task: Task, cpu_batches: list[dict], weights: list[float],
                        scale: torch.Tensor, scaler: torch.amp.GradScaler, precision: Precision,
                        reduce_every_micro_batch: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """Everything of the step that enters no collective: forward AND backward of micro-batches 1..K-1
+    """Everything of the step before its gradient reduction: forward AND backward of micro-batches 1..K-1
     without a gradient sync (DDP all-reduces, FSDP reduce-scatters, only in the last backward), then the last
-    micro-batch's forward. (strategy=fsdp enters its gathers anyway, and with `reduce_every_micro_batch` each
-    backward reduce-scatters into the shards, where the gradients accumulate: 1/world of the memory that whole
-    gradients held between micro-batches take, for K reduce-scatters a step instead of one.)
+    micro-batch's forward. Under DDP that enters no collective. strategy=fsdp gathers weights in every forward and
+    backward, and with `reduce_every_micro_batch` each backward also reduce-scatters into the shards, where the
+    gradients accumulate: 1/world of the memory whole gradients take between micro-batches, for K reduce-scatters
+    a step instead of one (under hybrid sharding the all-reduce across the replicas still waits for the last).
     Each micro-batch goes to the device here, where running out of memory can still be redone (a nearly full
     GPU may fail the copy as well as the forward). Returns the last micro-batch's loss and the others' summed
     loss."""
     device = scale.device
     loss_sum = torch.zeros((), device=device)
     for batch, weight in zip(cpu_batches[:-1], weights):
-        with nullcontext() if reduce_every_micro_batch else sharding.no_gradient_sync(model):
+        with sharding.no_gradient_sync(model, reduce_scatter=reduce_every_micro_batch):
             with precision.autocast():
                 batch_loss = task.loss_sum(model, to_device(batch, device)) * weight
             scaler.scale(batch_loss * scale).backward()

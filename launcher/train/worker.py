@@ -84,8 +84,9 @@ def build(cfg: DictConfig, run_dir: Path, env: launcher_dist.DistEnv) -> Run:
     by_block = compiling and compiles_each_block(cfg.strategy.name, train_cfg.compile_scope)
     compile_each = (lambda found: compile_blocks(found, train_cfg, cfg.strategy.name == "fsdp")) if by_block else None
     if cfg.strategy.name == "fsdp":  # (the parent lets no DDP key or graph split through)
+        group = sharding.shard_size(cfg.strategy.shard_size, env.world_size, cfg.plan.nproc_per_node)
         said = "strategy=fsdp: sharded " + sharding.shard(model, cfg.strategy.reshard_after_forward, cfg.strategy.block,
-                                                           precision, env.device, env.world_size, compile_each)
+                                                           precision, env.device, env.world_size, group, compile_each)
         if cfg.strategy.reduce_every_micro_batch:
             said += "; each micro-batch's gradients reduce-scattered (strategy.reduce_every_micro_batch)"
         trained = model  # its forward gathers each block's weights
