@@ -41,21 +41,25 @@ def one_node(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return reference
 
 
-@pytest.mark.parametrize("rendezvous", ["c10d", "static", "c10d-fsdp"])
+@pytest.mark.parametrize("rendezvous", ["c10d", "static", "c10d-fsdp", "c10d-hybrid"])
 def test_two_nodes_train_like_one_node_with_two_workers(tmp_path: Path, one_node: Path, rendezvous: str) -> None:
     """World size 2 from two launchers of one worker each (c10d: ranks by arrival; static: launcher.node_rank);
     the float64 weights equal those of one node with two workers (DDP) at the same global batch, also when the
-    nodes shard the model between them (strategy=fsdp)."""
+    nodes shard the model between them (strategy=fsdp), or each over its own worker, a replica a node (hybrid)."""
     run_dir, port = tmp_path / "shared", free_port()
     ranks = (["launcher.node_rank=0"], ["launcher.node_rank=1"]) if rendezvous == "static" else ([], [])
-    if rendezvous == "c10d-fsdp":
+    if rendezvous in ("c10d-fsdp", "c10d-hybrid"):
         ranks = (["strategy=fsdp"], ["strategy=fsdp"])
+    if rendezvous == "c10d-hybrid":
+        ranks = (["strategy=fsdp", "strategy.shard_size=node"],) * 2
     first, second = node(run_dir, port, *ranks[0]), node(run_dir, port, *ranks[1])
     for proc in (first, second):
         code, text = finish(proc)
         assert code == 0, text[-3000:]
     assert json.loads((run_dir / "summary.json").read_text())["world_size"] == 2
     assert_same_float64_weights(run_dir, one_node, 12)
+    if rendezvous == "c10d-hybrid":
+        assert "then the root; over 1 rank, 2 replicas (hybrid)" in (run_dir / "launcher.log").read_text()
 
 
 NAMELESS = "nowhere.invalid"  # a name no resolver answers for (RFC 6761's .invalid)

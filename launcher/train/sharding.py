@@ -126,7 +126,7 @@ def shard(model: nn.Module, reshard_after_forward: bool, block: str | None, prec
     root_chooses = inspect.signature(fully_shard).parameters["reshard_after_forward"].default is None
     fully_shard(model, mesh=mesh, reshard_after_forward=None if root_chooses and reshard_after_forward
                 else reshard_after_forward, mp_policy=policy)
-    hybrid = f"; over {group_size} ranks, {replicas} replicas (hybrid)" if replicas > 1 else ""
+    hybrid = f"; over {group_size} rank{'s' * (group_size > 1)}, {replicas} replicas (hybrid)" if replicas > 1 else ""
     return f"{said}, then the root{hybrid}" + (f"; {len(norms)} x BatchNorm gathered in its own dtype" if norms else "")
 
 
