@@ -37,7 +37,8 @@ class DeviceName(str, Enum):
 
 class StrategyName(str, Enum):
     ddp = "ddp"  # DistributedDataParallel: every rank keeps all weights, gradients and optimizer state
-    fsdp = "fsdp"  # FSDP2 (fully_shard): every rank keeps 1/world of them, gathering a block's weights to use it
+    # FSDP2 (fully_shard): every rank keeps 1/world (1/shard_size) of them, gathering a block's weights to use it
+    fsdp = "fsdp"
 
 
 class ScheduleName(str, Enum):
@@ -189,8 +190,9 @@ class StrategyConfig:
     # train.compile_scope=block compiles; null: the model's own (transformers' _no_split_modules, else the layers of
     # its stack, e.g. BertLayer), else each Linear
     block: Optional[str] = None
-    # fsdp only: reduce-scatter each micro-batch's gradients into the shards (1/world of the gradient memory, K
-    # reduce-scatters a step); false holds each rank's whole gradients until the step's last micro-batch (one)
+    # fsdp only: reduce-scatter each micro-batch's gradients into the shards (1/world, or 1/shard_size, of the
+    # gradient memory, K reduce-scatters a step); false holds each rank's whole gradients until the step's last
+    # micro-batch (one)
     reduce_every_micro_batch: Optional[bool] = None
     # fsdp only: the ranks each weight is sharded over: null, all of them; `node`, each node's own (hybrid sharding,
     # HSDP: every node keeps a replica, and the gradients are all-reduced across the nodes); or a number of ranks

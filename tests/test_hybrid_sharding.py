@@ -46,10 +46,13 @@ def test_hybrid_sharding_trains_as_ddp_does_and_keeps_half_the_state(runs: dict[
     assert 0.45 * sum(whole.values()) <= sum(sharded.values()) <= 0.55 * sum(whole.values()), (sharded, whole)
     assert "then the root; over 2 ranks, 2 replicas (hybrid)" in (runs["hybrid"] / "launcher.log").read_text()
     for step in (10, 20):  # the background save's host copies and the final one: each row of the moments once
-        metadata = dcp.FileSystemReader(runs["hybrid"] / "checkpoints" / str(step) / "optimizer").read_metadata()
-        chunks = collections.Counter((index.fqn, tuple(index.offset)) for index in metadata.storage_data)
+        shards = runs["hybrid"] / "checkpoints" / str(step) / "optimizer"
+        metadata = dcp.FileSystemReader(shards).read_metadata()
         moments = [key for key in metadata.state_dict_metadata if key.startswith("state/")]
-        assert len(chunks) == 2 * len(moments) and set(chunks.values()) == {1}, chunks  # 2 shards each, 1 copy
+        assert len(metadata.storage_data) == 2 * len(moments)  # 2 shards each, not 4 as over all ranks
+        # every byte of the files is one of those chunks: a row two replicas hold is written once
+        assert sum(p.stat().st_size for p in shards.glob("*.distcp")) == sum(
+            info.length for info in metadata.storage_data.values())
 
 
 @pytest.mark.parametrize("origin,target", [("hybrid", ("strategy=fsdp", "launcher.nproc_per_node=2")),
@@ -86,9 +89,12 @@ def test_reducing_every_micro_batch_all_reduces_across_the_replicas_once_a_step(
 @pytest.mark.parametrize("overrides,message", [
     (("strategy=fsdp", "strategy.shard_size=3"), "strategy.shard_size=3 must be null (all 4 ranks), node, or a "
                                                  "number of ranks that divides the world size 4"),
-    (("strategy=fsdp", "strategy.shard_size=nodes"), "strategy.shard_size=nodes must be null"),
+    (("strategy=fsdp", "strategy.shard_size=nodes"), "strategy.shard_size='nodes' must be null"),
+    (("strategy=fsdp", "strategy.shard_size=6", "launcher.nnodes=3", "launcher.rdzv_endpoint=127.0.0.1:29400",
+      "hydra.run.dir=/tmp/shared", "train.global_batch_size=96"),
+     "strategy.shard_size=6 splits nodes of 4 workers across groups; use a divisor or a multiple of 4 (node: 4)"),
     (("strategy.shard_size=node",), "strategy.shard_size=node has no effect with strategy=ddp; add strategy=fsdp"),
-], ids=["not-a-divisor", "not-a-size", "ddp"])
+], ids=["not-a-divisor", "not-a-size", "straddling-nodes", "ddp"])
 def test_a_shard_size_that_cannot_be_is_refused_in_the_parent(overrides: tuple[str, ...], message: str) -> None:
     with pytest.raises(ConfigError, match=re.escape(message)):
         make_plan(compose_config("+exp=toy", "launcher.nproc_per_node=4", *overrides))

@@ -239,8 +239,10 @@ def save_checkpoint(run: Run, progress: Progress, final_eval: dict[str, float] |
     # each rank's shards of the optimizer's moments, which it writes itself (sharded_checkpoint.py)
     sharded = sharding.is_sharded(run.module)
     weights = HostWeights(sharding.full_weights(run.module, run.env.is_main)) if sharded else run.module
-    if sharded:
-        sharded_checkpoint.checkpoint_group(run.checkpoint_timeout_s)  # (made by every rank here, not in a thread)
+    if sharded:  # (made by every rank here, not in a thread, nor after work of rank 0's that may fail)
+        sharded_checkpoint.checkpoint_group(run.checkpoint_timeout_s)
+        if run.background_save is not None:
+            sharded_checkpoint.make_host_mesh(run.module)
     try:
         checkpoint.save(run.run_dir, progress.step, weights, train_state(run, progress, final_eval),
                         run.keep_checkpoints, run.env.device, also_keep=run.best.step, background=run.background_save,

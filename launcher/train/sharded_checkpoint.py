@@ -60,27 +60,31 @@ def without_moments(optimizer_state: dict[str, Any]) -> dict[str, Any]:
 def on_host(like: Any, local: torch.Tensor) -> Any:
     """`local`, a host copy of the rows of the DTensor `like`, as a DTensor of the same global shape and placement
     on a CPU mesh laid out as `like`'s: what DCP plans a background write from (its rows' offsets; DCP writes a
-    row that several replicas hold once). Every rank calls this at the same point, the first time (groups are made)."""
+    row that several replicas hold once; make_host_mesh() comes first)."""
     from torch.distributed.tensor import DTensor
 
-    global _mesh
-    if _mesh is None:
-        _mesh = _host_mesh(like.device_mesh)
+    assert _mesh is not None, "make_host_mesh() comes first"
     return DTensor.from_local(local, _mesh, like.placements, run_check=False, shape=like.shape, stride=like.stride())
 
 
-def _host_mesh(mesh: Any) -> Any:
-    """A CPU mesh of gloo groups with `mesh`'s layout: 1-D, the checkpoint group; hybrid sharding's 2-D mesh
-    (replicas x shards), a gloo group for each of its rows and for each of its columns."""
+def make_host_mesh(model: torch.nn.Module) -> None:
+    """Once, on every rank at the same point (a background save's, before any rank's own work that may fail): a
+    CPU mesh of gloo groups with the layout of the model's mesh, for on_host. 1-D: the checkpoint group; hybrid
+    sharding's 2-D mesh (replicas x shards): a gloo group for each of its rows and for each of its columns."""
     from torch.distributed.device_mesh import DeviceMesh
 
+    global _mesh
     assert _group is not None, "checkpoint_group() comes first"
+    if _mesh is not None:
+        return
+    mesh = next(p for p in model.parameters() if is_dtensor(p)).device_mesh
     if mesh.ndim == 1:
-        return DeviceMesh.from_group(_group, "cpu")
+        _mesh = DeviceMesh.from_group(_group, "cpu")
+        return
     layout = mesh.mesh  # the global ranks, (replicas, shards)
     groups = [dist.new_subgroups_by_enumeration(ranks.tolist(), timeout=_timeout, backend="gloo")[0]
               for ranks in (layout.t(), layout)]  # my replicas' group (a column), my shards' (a row)
-    return DeviceMesh.from_group(groups, "cpu", mesh=layout, mesh_dim_names=mesh.mesh_dim_names)
+    _mesh = DeviceMesh.from_group(groups, "cpu", mesh=layout, mesh_dim_names=mesh.mesh_dim_names)
 
 
 def write(directory: Path, shards: dict[str, Any], digest: Callable[[Path], str]) -> dict[str, str]:

@@ -26,7 +26,8 @@ def held_later(run: Run, share: int) -> Callable[[int], int]:
     and, when a step accumulates over several micro-batches, the gradients kept between them: FSDP2's unsharded
     ones, every weight's, in float32 under bf16/fp16 (FSDP2 accumulates in the reduce dtype,
     launcher/train/sharding.py), else in the weight's dtype; with strategy.reduce_every_micro_batch this rank's
-    shards of them, in the weights' dtype."""
+    shards of them, in the weights' dtype (under hybrid sharding FSDP2 keeps them, partly reduced, in the reduce
+    dtype until the last micro-batch's all-reduce: float32, as the shards of float32 weights)."""
     mixed = run.precision.autocast_dtype is not None
     held = (state_bytes(run.module, run.optimizer)["grads"] if run.reduce_every_micro_batch else
             sum(p.numel() * (4 if mixed else p.element_size())  # a DTensor's numel is the whole tensor's

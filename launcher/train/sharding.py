@@ -73,8 +73,11 @@ def shard_size(value: int | str | None, world_size: int, nproc_per_node: int) ->
     divides the world (the parent checks it for every world size the run may have, the worker for the one it has)."""
     size = world_size if value is None else nproc_per_node if value == "node" else value
     if not isinstance(size, int) or isinstance(size, bool) or size < 1 or world_size % size:
-        raise ConfigError(f"strategy.shard_size={value} must be null (all {world_size} ranks), node, or a number of "
-                          f"ranks that divides the world size {world_size}")
+        raise ConfigError(f"strategy.shard_size={value!r} must be null (all {world_size} ranks), node, or a number "
+                          f"of ranks that divides the world size {world_size}")
+    if nproc_per_node % size and size % nproc_per_node:  # its groups would straddle nodes: gathers cross them
+        raise ConfigError(f"strategy.shard_size={size} splits nodes of {nproc_per_node} workers across groups; use a "
+                          f"divisor or a multiple of {nproc_per_node} (node: {nproc_per_node})")
     return size
 
 

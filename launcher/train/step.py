@@ -88,8 +88,9 @@ def forward_until_sync(model: DDP | torch.nn.Module, task: Task, cpu_batches: li
     without a gradient sync (DDP all-reduces, FSDP reduce-scatters, only in the last backward), then the last
     micro-batch's forward. Under DDP that enters no collective. strategy=fsdp gathers weights in every forward and
     backward, and with `reduce_every_micro_batch` each backward also reduce-scatters into the shards, where the
-    gradients accumulate: 1/world of the memory whole gradients take between micro-batches, for K reduce-scatters
-    a step instead of one (under hybrid sharding the all-reduce across the replicas still waits for the last).
+    gradients accumulate: 1/world (1/shard_size) of the memory whole gradients take between micro-batches, for K
+    reduce-scatters a step instead of one (under hybrid sharding the all-reduce across the replicas still waits for
+    the last).
     Each micro-batch goes to the device here, where running out of memory can still be redone (a nearly full
     GPU may fail the copy as well as the forward). Returns the last micro-batch's loss and the others' summed
     loss."""
