@@ -194,6 +194,12 @@ def summary(run_dir: Path) -> dict:
     return json.loads((run_dir / "summary.json").read_text())
 
 
+def profiled_ops(run_dir: Path) -> list[str]:
+    """The names of the ops and ranges (complete events) in rank 0's train.profile trace."""
+    trace = json.loads(next((run_dir / "profile").glob("rank0.*.pt.trace.json")).read_text())
+    return [event["name"] for event in trace["traceEvents"] if event.get("ph") == "X"]
+
+
 def assert_resumes_at_10_as_it_went_on(origin: Path, run_dir: Path, *overrides: str) -> None:
     """A copy of `origin` (a float64 run with checkpoints at steps 10 and 20) without step 20, trained on with
     `overrides` (another strategy or world size), reaches what `origin` reached at step 20."""

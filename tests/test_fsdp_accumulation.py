@@ -4,13 +4,12 @@
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 
 from conftest import compose_config
-from helpers import assert_params_close, trained, weights
+from helpers import assert_params_close, profiled_ops, trained, weights
 from launcher.compat import FSDP2_ON_CPU
 from launcher.derived import ConfigError
 from launcher.launch.plan import make_plan
@@ -29,9 +28,7 @@ ACCUMULATING = ("+exp=toy", "strategy=fsdp", "model.dtype=float64", "data.dtype=
 def reductions(run_dir: Path) -> list[str]:
     """The reduce-scatters FSDP2 ran in rank 0's profiled step, one trace event each (torch names its range
     `FSDP::post_backward_reduce (<the group's module>)`)."""
-    trace = json.loads(next((run_dir / "profile").glob("rank0.*.pt.trace.json")).read_text())
-    return sorted(event["name"] for event in trace["traceEvents"]
-                  if event.get("ph") == "X" and event["name"].startswith("FSDP::post_backward_reduce"))
+    return sorted(name for name in profiled_ops(run_dir) if name.startswith("FSDP::post_backward_reduce"))
 
 
 def test_reducing_every_micro_batch_reduces_six_times_as_often_and_trains_the_same(tmp_path: Path) -> None:

@@ -6,7 +6,6 @@ micro-batch.
 from __future__ import annotations
 
 import collections
-import json
 import re
 from pathlib import Path
 
@@ -14,7 +13,8 @@ import pytest
 import torch.distributed.checkpoint as dcp
 
 from conftest import compose_config
-from helpers import assert_params_close, assert_resumes_at_10_as_it_went_on, summary, trained, weights
+from helpers import (assert_params_close, assert_resumes_at_10_as_it_went_on, profiled_ops, summary, trained,
+                     weights)
 from launcher.compat import FSDP2_ON_CPU
 from launcher.derived import ConfigError
 from launcher.launch.plan import make_plan
@@ -68,9 +68,8 @@ def test_a_checkpoint_resumes_across_hybrid_sharding(tmp_path: Path, runs: dict[
 
 def collectives(run_dir: Path) -> collections.Counter:
     """The reduce-scatters and all-reduces in rank 0's profiled step (torch's op names)."""
-    trace = json.loads(next((run_dir / "profile").glob("rank0.*.pt.trace.json")).read_text())
-    return collections.Counter(event["name"] for event in trace["traceEvents"] if event.get("ph") == "X"
-                               and event["name"] in ("c10d::_reduce_scatter_base_", "c10d::allreduce_"))
+    return collections.Counter(name for name in profiled_ops(run_dir)
+                               if name in ("c10d::_reduce_scatter_base_", "c10d::allreduce_"))
 
 
 def test_reducing_every_micro_batch_all_reduces_across_the_replicas_once_a_step(tmp_path: Path,
