@@ -144,9 +144,9 @@ def test_running_out_mid_run_redoes_the_step_on_every_rank(tmp_path: Path, fixed
     assert_same_float64_weights(run_dir, fixed[8], STEPS)
     assert_same_float64_weights(run_dir, fixed[4], STEPS)
 
-    # A resume keeps the halved size, from the checkpoint alone (without the run dir's record)
+    # A resume keeps the halved size, from the checkpoint alone (without the run dir's record; the same settings)
     (run_dir / MICRO_BATCH_FILE).unlink()
-    log = launch(run_dir, *AUTO, f"train.max_steps={STEPS + 4}", "resume.allow_config_change=true")
+    log = launch(run_dir, *AUTO, *RANK1_HOLDS_4_FROM_STEP_5, f"train.max_steps={STEPS + 4}", "resume.allow_config_change=true")
     assert f"resumed from step {STEPS}" in log and "micro-batch 4, accumulation 4 (train.micro_batch_size=auto: " \
                                                    "kept from the checkpoint)" in log
     assert per_step(run_dir, "micro_batch_size")[STEPS:] == [4] * 4
@@ -236,8 +236,8 @@ def test_out_of_memory_inside_the_all_reduce_exits_and_the_next_start_halves(tmp
            "data.oom_from_call=10", "data.oom_in_backward=true", f"launcher.max_restarts={restarts}")
     log = launch(run_dir, *oom, expect=0 if restarts else OUT_OF_MEMORY_EXIT_CODE)
     where = "rank 1 ran out of memory in or after the gradient all-reduce of step 9"
-    why = json.loads((run_dir / MICRO_BATCH_FILE).read_text())
-    assert why == {"micro_batch_size": 4, "why": f"{where} with micro-batch 8, where a step cannot be redone"}
+    record = json.loads((run_dir / MICRO_BATCH_FILE).read_text())
+    assert (record["micro_batch_size"], record["why"]) == (4, f"{where} with micro-batch 8, where a step cannot be redone")
     if not restarts:
         error = [line for line in log.splitlines() if line.startswith("error: rank 1 failed")]
         assert len(error) == 1 and where in error[0] and "the next start resumes from the last checkpoint with " \

@@ -266,4 +266,5 @@ def train_state(run: Run, progress: Progress, final_eval: dict[str, float] | Non
             "config_hash": run.config_hash, "world_size": run.env.world_size, "sample_order": run.data_plan.order,
             # train.micro_batch_size=auto's size, kept by a resume (a fixed size comes from the config)
             "micro_batch_size": run.micro_batch_size if run.out_of_memory.enabled else None,
+            micro_batch.FOUND_UNDER: run.memory_config if run.out_of_memory.enabled else None,
             "trackers": run.log.tracker_ids()}  # the tracker runs it belongs to (rank 0 writes it)

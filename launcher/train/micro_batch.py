@@ -8,11 +8,9 @@ change between steps and the trajectory stays the same. Exercised by: tests/test
 """
 from __future__ import annotations
 
-import json
 import os
 import sys
 from datetime import timedelta
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
 import torch
@@ -20,8 +18,9 @@ import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors.handlers import get_error_handler
 
 from launcher.preempt import OUT_OF_MEMORY_EXIT_CODE
-from launcher.rundir import CHECKPOINTS_DIR, write_atomically
+from launcher.rundir import CHECKPOINTS_DIR
 from launcher.task import to_device
+from launcher.train import micro_batch_record
 from launcher.train.dist import all_gather_objects, on_rank_0
 from launcher.train.memory_trial import (forward_backward, free_memory, memory_report, moments_to_come,
                                          out_of_memory_in, usable_bytes)
@@ -31,7 +30,8 @@ from launcher.train.sync_check import host_side
 if TYPE_CHECKING:
     from launcher.train.run import Run
 
-MICRO_BATCH_FILE = "micro_batch.json"  # the auto size in force: a restart or a resume goes on with it
+MICRO_BATCH_FILE = micro_batch_record.MICRO_BATCH_FILE
+FOUND_UNDER = "micro_batch_found_under"  # the checkpoint's copy of what its micro_batch_size was found under
 SMALLER = ("use a smaller model, shorter inputs (data.max_length for text), a lower precision, or for the BERT jobs "
            "model.activation_checkpointing=true")
 PROBE = "micro-batch probe"  # the watchdog's phase while the trials run
@@ -132,16 +132,6 @@ def probe(run: Run, sizes: list[int]) -> tuple[int, list[str]]:
     return 0, tried
 
 
-def read_record(run_dir: Path) -> dict[str, Any] | None:
-    path = run_dir / MICRO_BATCH_FILE
-    return json.loads(path.read_text()) if path.is_file() else None
-
-
-def write_record(run_dir: Path, size: int, why: str) -> None:
-    # several ranks may write the same size at once
-    write_atomically(run_dir / MICRO_BATCH_FILE, json.dumps({"micro_batch_size": size, "why": why}) + "\n")
-
-
 def share_of(run: Run) -> int:
     return run.data_plan.global_batch_size // run.env.world_size
 
@@ -150,19 +140,20 @@ def use(run: Run, size: int, why: str, record: bool = True) -> None:
     """Every rank: train in micro-batches of `size` from now on; rank 0 records it and says why."""
     run.micro_batch_size, run.grad_accum_steps = size, share_of(run) // size
     if run.env.is_main and record:
-        write_record(run.run_dir, size, why)
+        micro_batch_record.write(run.run_dir, size, why, run.memory_config)
     run.log.info(f"micro-batch {size}, accumulation {run.grad_accum_steps} (train.micro_batch_size=auto: {why})")
 
 
-def choose(run: Run, max_size: int | None, from_checkpoint: int | None) -> None:
-    """Before the first step: the size a restart or resume had, else the largest that fits on every rank."""
+def choose(run: Run, max_size: int | None, state: dict[str, Any] | None) -> None:
+    """Before the first step: the size a restart or resume had (micro_batch.json, or the checkpoint's `state`) where
+    it was found under the same settings, else the largest that fits on every rank."""
     share = share_of(run)
     bound = min(max_size or share, share)
-    # Rank 0's reading, for all: another node may see an older copy of a file just replaced (NFS caches names),
-    # and ranks that disagreed here would enter different collectives. No rank writes it before this.
-    record = on_rank_0(lambda: read_record(run.run_dir))
-    kept = {source: size for source, size in ((MICRO_BATCH_FILE, record and record["micro_batch_size"]),
-                                              ("the checkpoint", from_checkpoint)) if size}
+    # Rank 0's reading and judging, for all: another node may see an older copy of a file just replaced (NFS caches
+    # names), and ranks that disagreed here would enter different collectives. No rank writes the record before this.
+    record, kept, stale = on_rank_0(lambda: kept_sizes(run, state or {}))
+    for line in stale:
+        run.log.info(line)
     if kept and min(kept.values()) <= bound and share % min(kept.values()) == 0:  # alike on every rank
         source = min(kept, key=kept.get)
         use(run, kept[source], f"kept from {source}" + (f": {record['why']}" if source == MICRO_BATCH_FILE else ""),
@@ -177,6 +168,24 @@ def choose(run: Run, max_size: int | None, from_checkpoint: int | None) -> None:
         "; on a CPU running out of memory is not caught (the OS kills the process), so the largest size that "
         "runs is taken")
     use(run, agreed, why + where)
+
+
+def kept_sizes(run: Run, state: dict[str, Any]) -> tuple[dict[str, Any] | None, dict[str, int], list[str]]:
+    """Rank 0: the record, the sizes kept from it and from the checkpoint, and a line for each not kept because
+    it was found under other settings."""
+    record = micro_batch_record.read(run.run_dir)
+    kept, stale = {}, []
+    from_checkpoint = {"micro_batch_size": state.get("micro_batch_size"), "found_under": state.get(FOUND_UNDER)}
+    for source, found in ((MICRO_BATCH_FILE, record), ("the checkpoint", from_checkpoint)):
+        size = found and found.get("micro_batch_size")
+        if size:
+            changed = micro_batch_record.changed(found.get("found_under"), run.memory_config)
+            if changed:
+                stale.append(f"train.micro_batch_size=auto: micro-batch {size} of {source} is not kept: it was found "
+                             f"with a different {changed}; trying the sizes again")
+            else:
+                kept[source] = size
+    return record, kept, stale
 
 
 def agree_on_probes(run: Run, sizes: list[int]) -> tuple[int, str]:
@@ -254,8 +263,8 @@ def exit_out_of_memory(run: Run, error: torch.OutOfMemoryError) -> NoReturn:
     elif smaller is None:
         message = f"train.micro_batch_size=auto: {where} even with micro-batch 1; {SMALLER}"
     else:
-        write_record(run.run_dir, smaller, f"rank {run.env.rank} ran out of memory {place} with micro-batch "
-                                           f"{run.micro_batch_size}, {cannot}")
+        micro_batch_record.write(run.run_dir, smaller, f"rank {run.env.rank} ran out of memory {place} with micro-batch "
+                                                   f"{run.micro_batch_size}, {cannot}", run.memory_config)
         restarts_left = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", 0)) - int(
             os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
         message = (f"{where} with micro-batch {run.micro_batch_size}, {cannot}; the next start "

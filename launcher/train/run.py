@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # annotations only: none of these at run time (the probes and eval import Run from here)
     import torch
@@ -59,6 +59,7 @@ class Run:
     prefetch_factor: int
     log: RunLog
     config_hash: str
+    memory_config: dict[str, Any]  # what an auto micro-batch size is found under (launcher/train/micro_batch_record.py)
     watchdog: Watchdog  # writes a hang report when the loop stands still (launcher/train/watchdog.py)
     profiler: StepProfiler  # records train.profile's steps (launcher/train/profile.py)
     compile_watch: compiled.CompileWatch  # what torch.compile compiled since the last log (launcher/train/compiled.py)

@@ -45,6 +45,7 @@ from launcher.train.loop import train
 from launcher.train.loss_check import probe_loss_sum
 from launcher.train.memory_trial import out_of_memory_in
 from launcher.train.metrics import RunLog
+from launcher.train.micro_batch_record import memory_config
 from launcher.train.orphan import end_with_the_agent
 from launcher.train.phases import phase
 from launcher.train.precision import Precision
@@ -133,6 +134,7 @@ def build(cfg: DictConfig, run_dir: Path, env: launcher_dist.DistEnv) -> Run:
               log=RunLog(run_dir, enabled=env.is_main, straggler_ratio=train_cfg.straggler_ratio,
                          config=OmegaConf.to_container(cfg)),
               config_hash=config_hash(OmegaConf.to_container(cfg)),
+              memory_config=memory_config(OmegaConf.to_container(cfg), env.world_size, env.device) if auto else {},
               watchdog=Watchdog(run_dir, env.rank, cfg.dist.hang_timeout_s),
               compile_watch=CompileWatch(compiling, train_cfg.compile_mode, fallbacks), compile_cache=compile_cache,
               sync_check=SyncCheck(train_cfg.sync_check, env.device), best=best_eval(task, train_cfg),
@@ -238,7 +240,7 @@ def build_and_train(cfg: DictConfig, path: Path, env: launcher_dist.DistEnv, sto
             if run.out_of_memory.enabled:  # micro_batch_size=auto: the model, and any resumed optimizer state, are in place
                 run.watchdog.at(micro_batch.PROBE, progress.step)
                 phase(path.parent, env.is_main, "train.micro_batch_size=auto: finding the largest that fits")
-                micro_batch.choose(run, cfg.train.max_micro_batch_size, state and state.get("micro_batch_size"))
+                micro_batch.choose(run, cfg.train.max_micro_batch_size, state)
             run.log.info(f"world size {env.world_size} | grad accum "  # (the launcher's first line names the run dir)
                          f"{run.grad_accum_steps} | precision {run.precision.name} | "
                          f"{'compiled' if run.compile_watch.enabled else 'eager'} | {cfg.strategy.name} | config {config}")
