@@ -118,7 +118,7 @@ def config_hash(config: dict[str, Any]) -> str:
 def differing_keys(old: dict[str, Any], new: dict[str, Any], prefix: str = "") -> list[str]:
     """Dotted keys whose values differ between two resolved configs."""
     keys = []
-    for key in sorted(set(old) | set(new)):
+    for key in sorted(set(old) | set(new), key=str):
         a, b, name = old.get(key), new.get(key), f"{prefix}{key}"
         if isinstance(a, dict) and isinstance(b, dict):
             keys += differing_keys(a, b, f"{name}.")
@@ -133,6 +133,9 @@ NODE_CONFIG = "LAUNCHER_NODE_CONFIG"
 
 
 def node_view(config: dict[str, Any], run_dir: Path) -> dict[str, Any]:
-    """What every node must agree on: the run dir, the plan, the strategy, and everything that shapes the trajectory."""
+    """What every node must agree on: the run dir, the plan, the strategy, the micro-batch (auto probes in
+    collectives), and everything that shapes the trajectory."""
+    train = config.get("train", {})
     return {"run_dir": str(run_dir), "plan": config["plan"], "strategy": config.get("strategy"),
+            "micro_batch": [train.get("micro_batch_size"), train.get("max_micro_batch_size")],
             **trajectory_config(config)}

@@ -152,13 +152,13 @@ def choose(run: Run, max_size: int | None, state: dict[str, Any] | None) -> None
     # Rank 0's reading and judging, for all: another node may see an older copy of a file just replaced (NFS caches
     # names), and ranks that disagreed here would enter different collectives. No rank writes the record before this.
     record, kept, stale = on_rank_0(lambda: kept_sizes(run, state or {}))
-    for line in stale:
-        run.log.info(line)
     if kept and min(kept.values()) <= bound and share % min(kept.values()) == 0:  # alike on every rank
         source = min(kept, key=kept.get)
         use(run, kept[source], f"kept from {source}" + (f": {record['why']}" if source == MICRO_BATCH_FILE else ""),
             record=False)
         return
+    if stale:
+        run.log.info(f"train.micro_batch_size=auto: trying the sizes again: {'; '.join(stale)}")
     run.out_of_memory.remember(run.module)  # the trials' forwards may not change what step 1 starts from
     sizes = sizes_to_try(share, min([bound, *kept.values()]))
     # Either way the trials end in collectives: every rank has read the record before rank 0 writes it
@@ -171,8 +171,8 @@ def choose(run: Run, max_size: int | None, state: dict[str, Any] | None) -> None
 
 
 def kept_sizes(run: Run, state: dict[str, Any]) -> tuple[dict[str, Any] | None, dict[str, int], list[str]]:
-    """Rank 0: the record, the sizes kept from it and from the checkpoint, and a line for each not kept because
-    it was found under other settings."""
+    """Rank 0: the record, the sizes kept from it and from the checkpoint, and for each not kept (found under other
+    settings) why."""
     record = micro_batch_record.read(run.run_dir)
     kept, stale = {}, []
     from_checkpoint = {"micro_batch_size": state.get("micro_batch_size"), "found_under": state.get(FOUND_UNDER)}
@@ -181,8 +181,7 @@ def kept_sizes(run: Run, state: dict[str, Any]) -> tuple[dict[str, Any] | None, 
         if size:
             changed = micro_batch_record.changed(found.get("found_under"), run.memory_config)
             if changed:
-                stale.append(f"train.micro_batch_size=auto: micro-batch {size} of {source} is not kept: it was found "
-                             f"with a different {changed}; trying the sizes again")
+                stale.append(f"micro-batch {size} of {source} was found before {changed} changed")
             else:
                 kept[source] = size
     return record, kept, stale

@@ -4,7 +4,7 @@ under, so that a restart, a resume or a requeue goes on with it only where it st
 A size found on an 80 GiB GPU runs out of memory on a 40 GiB one after a requeue, and one found before a change
 of precision, strategy, model, data or compile settings may no longer fit (or may waste a GPU that now has room):
 such a size is not kept, the next start probes again and says which setting changed. Exercised by:
-tests/test_micro_batch.py.
+tests/test_micro_batch_kept.py.
 """
 from __future__ import annotations
 
@@ -19,26 +19,31 @@ from launcher.rundir import write_atomically
 from launcher.train.dist import all_gather_objects
 
 MICRO_BATCH_FILE = "micro_batch.json"  # the auto size in force: a restart or a resume goes on with it
-# train's keys that change how much memory a micro-batch takes (the rest: cadences, logging, the trajectory's
-# numbers such as max_steps, which a resume often extends)
+# train's keys that change how much memory a micro-batch takes, or which sizes are tried (the rest: cadences,
+# logging, the trajectory's numbers such as max_steps, which a resume often extends)
 MEMORY_TRAIN_KEYS = ("compile", "compile_mode", "compile_dynamic", "compile_fullgraph", "compile_ddp_split",
-                     "compile_scope")
+                     "compile_scope", "max_micro_batch_size")
+MEMORY_DIST_KEYS = ("bucket_cap_mb", "gradient_as_bucket_view", "static_graph", "find_unused_parameters",
+                    "comm_hook")  # DDP's gradient buckets, made with the model
 SHOWN = 4  # differing keys named in the line, then a count
 
 
 def memory_config(config: dict[str, Any], world_size: int, device: torch.device) -> dict[str, Any]:
     """What a micro-batch's memory on a rank depends on: the model (activation checkpointing included), its data
-    (sequence lengths), the optimizer's state, precision, strategy, compile settings, the devices, torch, and under
-    strategy=fsdp the world size (each rank holds 1/world of the state; under ddp a whole copy at any world).
-    Every rank calls it: the devices are every rank's, gathered, so that a record any rank writes (the one that ran
-    out) reads the same to rank 0, which judges it, on mixed GPUs too."""
-    train, strategy = config.get("train") or {}, config.get("strategy") or {}
-    return {"model": config.get("model"), "data": config.get("data"), "optimizer": config.get("optimizer"),
+    (sequence lengths), the optimizer's state, precision, strategy, DDP's buckets, compile settings, the devices,
+    torch, and under strategy=fsdp the world size (each rank holds 1/world of the state; under ddp a whole copy
+    at any world). Every rank calls it, and every rank gets rank 0's settings with every rank's devices and
+    torch: a record any rank writes (the one that ran out) reads the same to rank 0, which judges it."""
+    train, dist, strategy = (config.get(part) or {} for part in ("train", "dist", "strategy"))
+    mine = {"model": config.get("model"), "data": config.get("data"), "optimizer": config.get("optimizer"),
             "precision": config.get("precision"), "strategy": strategy,
             "train": {key: train.get(key) for key in MEMORY_TRAIN_KEYS},
+            "dist": {key: dist.get(key) for key in MEMORY_DIST_KEYS},
             "world_size": world_size if strategy.get("name") == "fsdp" else None,
-            "devices": sorted(set(all_gather_objects(device_of(device)))),
-            "torch": str(torch.__version__)}  # (a str: checkpoints load weights_only)
+            "devices": device_of(device), "torch": str(torch.__version__)}  # (a str: checkpoints load weights_only)
+    everyone = all_gather_objects(mine)
+    found = {**everyone[0], **{key: sorted({each[key] for each in everyone}) for key in ("devices", "torch")}}
+    return json.loads(json.dumps(found))  # as micro_batch.json gives it back (a dict's int keys become strings)
 
 
 def device_of(device: torch.device) -> str:
