@@ -81,12 +81,11 @@ def make_host_mesh(model: torch.nn.Module) -> None:
     if mesh.ndim == 1:
         _mesh = DeviceMesh.from_group(_group, "cpu")
         return
-    layout, me = mesh.mesh, dist.get_rank()  # the global ranks, (replicas, shards)
-    # My replicas' group (a column), then my shards' (a row), in that order on every rank. Only the members make
-    # a group (use_local_synchronization): a rank makes its 2, not every row's and column's (136 world-wide
-    # barriers for 128 nodes x 8 GPUs)
-    groups = [dist.new_group(next(ranks.tolist() for ranks in lines if me in ranks), timeout=_timeout, backend="gloo",
-                             use_local_synchronization=True) for lines in (layout.t(), layout)]
+    layout = mesh.mesh  # the global ranks, (replicas, shards)
+    # Every rank makes every row's and column's group, once: use_local_synchronization would spare that, but names a
+    # group by its ranks alone, the name split_group gives FSDP's own NCCL group of the same ranks on a GPU
+    groups = [dist.new_subgroups_by_enumeration(ranks.tolist(), timeout=_timeout, backend="gloo")[0]
+              for ranks in (layout.t(), layout)]  # my replicas' group (a column), my shards' (a row)
     _mesh = DeviceMesh.from_group(groups, "cpu", mesh=layout, mesh_dim_names=mesh.mesh_dim_names)
 
 
