@@ -65,9 +65,9 @@ def stop_line(record: dict[str, int], run_dir: Path, sweep_dir: Path | None = No
     if record.get("saved", True):
         return f"{how} by {name}: checkpoint saved at step {step}; {relaunch} resume (exit code {REQUEUE_EXIT_CODE})"
     when = ("before the workers started" if not record.get("started", True) else
-            # the signal came while they started, a second one ended them, or their save failed or took longer
-            "before the workers saved a checkpoint (they were starting, were stopped again, failed, or took longer "
-            "than launcher.shutdown_timeout_s; their log above says which)")
+            # which of these, only the workers' own lines say, and a worker stopped while it starts says none
+            "before the workers saved a checkpoint (stopped while they started, stopped a second time, or their save "
+            "failed or took longer than launcher.shutdown_timeout_s)")
     return (f"{how} by {name} {when}; {relaunch} {f'resume from step {step}' if step else 'start over'} "
             f"(exit code {REQUEUE_EXIT_CODE})")
 

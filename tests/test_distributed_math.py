@@ -41,6 +41,10 @@ def test_a_short_window_is_averaged_over_its_own_samples(tmp_path: Path) -> None
     exact = train_cli(tmp_path / "exact", *common, "train.global_batch_size=12", "launcher.nproc_per_node=1",
                       "train.micro_batch_size=12")
     assert_params_close(short, exact, rtol=1e-10)
+    # It trains, and says that the global batch is never reached
+    warning = "warning: the train set has 12 samples, fewer than train.global_batch_size=16: every step trains on those 12"
+    assert warning in (tmp_path / "short" / "launcher.log").read_text()
+    assert "fewer than train.global_batch_size" not in (tmp_path / "exact" / "launcher.log").read_text()
 
 
 def test_mean_over_k_would_be_wrong_on_a_short_window() -> None:

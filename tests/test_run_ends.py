@@ -73,7 +73,11 @@ def test_an_evaluation_without_training_runs_once_per_config(tmp_path: Path) -> 
     out = finish(start(run_dir, "train.max_steps=0"), 0)
     assert "no step to train (train.max_steps=0) (" in out and "first step" not in out  # its start-up's last phase
     files = {name: (run_dir / name).read_bytes() for name in ("summary.json", "metrics.jsonl", "launch.json")}
-    evaluated = json.loads(files["summary.json"])["eval"]
+    def strict(constant: str) -> None:  # as JavaScript's JSON.parse: NaN and Infinity are no JSON
+        raise ValueError(f"{constant} in summary.json")
+    summary = json.loads(files["summary.json"], parse_constant=strict)
+    evaluated = summary["eval"]
+    assert summary["final_loss"] is None and "│ final_loss" not in out and "│ eval " in out  # no step, no loss
     again = finish(start(run_dir, "train.max_steps=0"), 0)
     assert f"run dir {run_dir} already evaluated without training: eval loss={evaluated['loss']:.4g}; nothing to run (to " \
            f"evaluate again, use a new hydra.run.dir or resume=never)" in again.splitlines()

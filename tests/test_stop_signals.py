@@ -39,8 +39,8 @@ def test_a_preemption_whose_checkpoint_never_came_still_exits_with_the_requeue_c
     wait_until(lambda: 1 in complete_steps(run_dir))
     proc.send_signal(signal.SIGTERM)
     out = finish(proc, REQUEUE_EXIT_CODE)
-    assert (f"preempted by SIGTERM before the workers saved a checkpoint (they were starting, were stopped again, "
-            f"failed, or took longer than launcher.shutdown_timeout_s; their log above says which); relaunch the "
+    assert (f"preempted by SIGTERM before the workers saved a checkpoint (stopped while they started, stopped a "
+            f"second time, or their save failed or took longer than launcher.shutdown_timeout_s); relaunch the "
             f"same command with hydra.run.dir={run_dir} to resume from step 1 (exit code 75)") in out
     assert json.loads((run_dir / "preempted.json").read_text()) == {"step": 1, "signal": 15, "saved": False,
                                                                     "started": True}

@@ -76,7 +76,9 @@ def speed_line(config: dict, plan: Plan) -> str:
     if train["compile"] is True and compiles_each_block(config["strategy"]["name"], train["compile_scope"]):
         split = ", each block"
     shard_size = config["strategy"].get("shard_size")
-    sharded = (f" | strategy fsdp: {SHARDING_RULE}" + (f"; shard_size {shard_size}" if shard_size else "")
+    block = config["strategy"].get("block")
+    sharded = (f" | strategy fsdp: {f'each {block}, then the root' if block else SHARDING_RULE}" +
+               (f"; shard_size {shard_size}" if shard_size else "")
                if config["strategy"]["name"] == "fsdp" else "")
     return f"{precision} | {mode}{' (auto)' if 'compile' in auto else ''}{split}{sharded}"
 

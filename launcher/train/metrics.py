@@ -91,7 +91,7 @@ class RunLog:
         if not self.enabled:
             return
         record = {**record, "time": round(time.time() - self.start, 3)}
-        self._metrics.write(json.dumps(record) + "\n")
+        self._metrics.write(strict_json(record) + "\n")
         self._metrics.flush()
         for kind, values in (("train", record), ("eval", record.get("eval", {}))):
             scalars = {k: v for k, v in values.items() if _number(v) and k not in ("step", "time")}
@@ -159,19 +159,20 @@ class RunLog:
             self.info(f"done: the run had ended before this start ({self.run_dir / 'summary.json'} stands); final loss "
                       f"{_fmt(record['final_loss'])}")
             return
-        (self.run_dir / SUMMARY_FILE).write_text(json.dumps(record, indent=2) + "\n")
+        (self.run_dir / SUMMARY_FILE).write_text(strict_json(record, indent=2) + "\n")
         then()
         self._trackers.call("finish", record)
         self.close()
         from rich.console import Console
         from rich.table import Table
 
-        table = Table(title=f"run dir {self.run_dir}", show_header=False)
-        for key in ("steps", "wall_time_s", "samples_per_sec", "final_loss", "eval", "best", "skipped_steps",
+        table = Table(show_header=False)  # (the line below names the run dir: a path a table would wrap)
+        trained = ("wall_time_s", "samples_per_sec", "final_loss") if record["steps"] else ()  # none: an evaluation
+        for key in ("steps", *trained, "eval", "best", "skipped_steps",
                     "restarts", "world_size", "micro_batch_size", "grad_accum_steps", "precision", "peak_mem_mb", "compiled_graphs",
                     "compiled_pieces", "graph_breaks", "cudagraph_skips", "host_syncs", "checked_steps", "checkpoint",
                     "profile"):
-            if key in record:
+            if record.get(key) is not None:
                 table.add_row(key, _fmt(record[key]))
         Console(file=sys.stdout, width=120).print(table)
         steps, resumed_from = record["steps"], record["resumed_from"]
@@ -203,6 +204,20 @@ class RunLog:
     def tracker_ids(self) -> dict[str, str]:
         """The tracker runs this run logs to (kept in checkpoints too; trackers.json is the record)."""
         return self._trackers.ids
+
+
+def strict_json(record: dict[str, Any], indent: int | None = None) -> str:
+    """JSON that strict readers (JavaScript's JSON.parse, dashboards) take: a non-finite number (the loss of a run
+    that diverged, or of one that trained no step) is null, not NaN."""
+    def finite(value: Any) -> Any:
+        if isinstance(value, float) and (value != value or value in (float("inf"), float("-inf"))):
+            return None
+        if isinstance(value, dict):
+            return {key: finite(item) for key, item in value.items()}
+        if isinstance(value, (list, tuple)):
+            return [finite(item) for item in value]
+        return value
+    return json.dumps(finite(record), indent=indent, allow_nan=False)
 
 
 def _number(value: Any) -> bool:

@@ -27,8 +27,9 @@ from launcher.derived import ConfigError
 from launcher.train.precision import Precision
 
 # what the dry run and the launcher's first line say: the workers find the blocks (the parent builds no model)
-RULE = ("each block: transformers' _no_split_modules, else the layers of the model's stack (its ModuleList, "
-        "e.g. BertLayer), else each Linear; then the root (under bf16/fp16 each BatchNorm first, in its own dtype)")
+# (the workers' line then says what they sharded, and each BatchNorm gathered in its own dtype)
+RULE = ("each block (transformers' _no_split_modules, else the layers of the model's stack, else each Linear), "
+        "then the root")
 
 
 def blocks(model: nn.Module, block: str | None) -> tuple[list[nn.Module], str]:

@@ -142,6 +142,10 @@ def build(cfg: DictConfig, run_dir: Path, env: launcher_dist.DistEnv) -> Run:
               profiler=StepProfiler(run_dir, env.rank, train_cfg.profile, list(train_cfg.profile_ranks), env.device))
     if said:
         run.log.info(said)
+    if data_plan.n_samples < data_plan.global_batch_size and train_cfg.max_steps:  # (drop_last=true: refused above)
+        run.log.warn(f"warning: the train set has {data_plan.n_samples} samples, fewer than train.global_batch_size="
+                     f"{data_plan.global_batch_size}: every step trains on those {data_plan.n_samples}; lower "
+                     f"train.global_batch_size, or use more data")
     if "pretrained" in sources["model"]:
         run.log.info(f"model.pretrained={cfg.model.pretrained}: from checkpoint {sources['model']['pretrained']}")
     return run
