@@ -11,6 +11,7 @@ import random
 import re
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -19,7 +20,7 @@ import torch
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
-from conftest import read_metrics, run_cli
+from conftest import read_metrics, run_cli, subprocess_env
 from helpers import (COMMON, DROPOUT, FP16, SLOW, STEPS, bitwise_equal, finish, logged_step, preempt, sample_stream, start,
                      wait_until, weights, worker_pid)
 from launcher.preempt import REQUEUE_EXIT_CODE
@@ -184,6 +185,10 @@ def test_consecutive_non_finite_steps_stop_the_run(tmp_path: Path) -> None:
     assert re.search(r"error: rank \d failed: RuntimeError: 3 consecutive steps had non-finite gradients "
                      r"\(train\.max_bad_steps=3\); no checkpoint was written before them", out.stderr), out.stderr[-2000:]
     assert [m["skipped_steps"] for m in read_metrics(tmp_path / "nan")] == [1, 2]
+    assert [m["loss"] for m in read_metrics(tmp_path / "nan")] == [None, None]  # strict JSON: no NaN
+    status = subprocess.run([sys.executable, "-m", "launcher.launch.status", str(tmp_path / "nan")],
+                            capture_output=True, text=True, env=subprocess_env())
+    assert status.returncode == 0 and "FAILED" in status.stdout and " nan " in status.stdout, status.stderr[-2000:]
 
 
 def test_batch_norm_statistics_are_rank_0_s_at_evals_and_checkpoints_so_a_resume_evaluates_the_same(

@@ -55,9 +55,9 @@ def describe(run_dir: Path, job: str | None, slurm: dict[str, str]) -> dict[str,
     metrics = run_dir / "metrics.jsonl"
     for record in map(json.loads, metrics.read_text().splitlines() if metrics.is_file() else []):
         if "loss" in record:
-            row["step"], row["loss"] = record["step"], f"{record['loss']:.4g}"
+            row["step"], row["loss"] = record["step"], _number(record["loss"])
         if "eval" in record:
-            row["eval"] = " ".join(f"{k}={v:.4g}" for k, v in record["eval"].items())
+            row["eval"] = " ".join(f"{k}={_number(v)}" for k, v in record["eval"].items())
     best = best_record(run_dir)
     if best:  # a sweep over train.best_metric's runs: which point did best, and when
         row["best"] = f"{best['metric']}={best['value']:.4g}@{best['step']}"
@@ -115,5 +115,10 @@ def main(argv: list[str]) -> int:
     return 0
 
 
+def _number(value: float | None) -> str:
+    return "nan" if value is None else f"{value:.4g}"  # (metrics.jsonl writes a non-finite number as null)
+
+
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))
+
