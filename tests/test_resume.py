@@ -188,7 +188,7 @@ def test_consecutive_non_finite_steps_stop_the_run(tmp_path: Path) -> None:
     assert [m["loss"] for m in read_metrics(tmp_path / "nan")] == [None, None]  # strict JSON: no NaN
     status = subprocess.run([sys.executable, "-m", "launcher.launch.status", str(tmp_path / "nan")],
                             capture_output=True, text=True, env=subprocess_env())
-    assert status.returncode == 0 and "FAILED" in status.stdout and " nan " in status.stdout, status.stderr[-2000:]
+    assert status.returncode == 0 and "FAILED" in status.stdout and " inf/nan " in status.stdout, status.stderr[-2000:]
 
 
 def test_batch_norm_statistics_are_rank_0_s_at_evals_and_checkpoints_so_a_resume_evaluates_the_same(

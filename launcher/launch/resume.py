@@ -93,4 +93,4 @@ def _at(config: dict[str, Any], dotted: str) -> str:
 
 
 def _number(value: float | None) -> str:
-    return "not finite" if value is None else f"{value:.4g}"  # (summary.json writes a non-finite number as null)
+    return "inf/nan" if value is None else f"{value:.4g}"  # (summary.json writes a non-finite number as null)

@@ -116,9 +116,8 @@ def main(argv: list[str]) -> int:
 
 
 def _number(value: float | None) -> str:
-    return "nan" if value is None else f"{value:.4g}"  # (metrics.jsonl writes a non-finite number as null)
+    return "inf/nan" if value is None else f"{value:.4g}"  # (metrics.jsonl writes a non-finite number as null)
 
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))
-

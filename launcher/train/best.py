@@ -38,7 +38,7 @@ class Best:
         if not self.metric:
             return False
         value = metrics[self.metric]
-        better = not math.isnan(value) and (self.value is None or
+        better = math.isfinite(value) and (self.value is None or
                                             (value > self.value if self.mode == "max" else value < self.value))
         if better:
             self.step, self.value = step, value

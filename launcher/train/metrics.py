@@ -172,7 +172,7 @@ class RunLog:
                     "restarts", "world_size", "micro_batch_size", "grad_accum_steps", "precision", "peak_mem_mb", "compiled_graphs",
                     "compiled_pieces", "graph_breaks", "cudagraph_skips", "host_syncs", "checked_steps", "checkpoint",
                     "profile"):
-            if record.get(key) is not None:
+            if record.get(key) not in (None, {}):  # ({}: a job without an eval set)
                 table.add_row(key, _fmt(record[key]))
         Console(file=sys.stdout, width=120).print(table)
         steps, resumed_from = record["steps"], record["resumed_from"]
