@@ -3,7 +3,8 @@
 It builds the run exactly as launcher.train.worker does, then drives launcher.train.step.train_step while recording
 what a test needs: comm-hook calls, gradients after each micro-step, grad norms, param hashes,
 loss scale and LR-scheduler position; mode `eval` runs only the launcher's evaluation.
-Usage: torchrun ... probe_worker.py <config.yaml> <sync|fp16|eval|knobs|syncfree> [inf_step]; writes probe_rank<r>.pt
+Usage: torchrun ... probe_worker.py <config.yaml> <sync|fp16|eval|knobs|syncfree|timeouts> [inf_step]; writes
+probe_rank<r>.pt
 """
 from __future__ import annotations
 
@@ -13,11 +14,13 @@ import warnings
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
 from launcher.train import dist as launcher_dist
 from launcher.train.data import StepWindows, window_loader
+from launcher.train.dist import training_timeout
 from launcher.train.ledger import Progress
 from launcher.train.evaluation import evaluate
 from launcher.train.loop import step_ledger
@@ -40,14 +43,31 @@ def grads_of(model: torch.nn.Module) -> list[torch.Tensor]:
 
 def main(config_path: str, mode: str, inf_step: int = -1) -> None:
     cfg = OmegaConf.load(config_path)
-    env = launcher_dist.init(cfg.plan.device_type, cfg.dist.backend, cfg.dist.timeout_s)
+    env = launcher_dist.init(cfg.plan.device_type, cfg.dist.backend,  # as the worker: the start-up's timeout first
+                             launcher_dist.startup_timeout_s(cfg.dist.startup_timeout_s, cfg.dist.timeout_s))
     out = observe(cfg, env, config_path, mode, inf_step)  # the run and its DDP model end with this call
     torch.save(out, Path(config_path).with_name(f"probe_rank{env.rank}.pt"))
     launcher_dist.shutdown()
 
 
+def timeouts(run) -> dict:
+    """Each group's timeout in seconds (gloo's: the CPU backend's options) at start-up, and once training_timeout
+    ran as the loop runs it after the first step: the main group and the mesh's replica and shard groups."""
+    mesh = next(p for p in run.model.parameters() if hasattr(p, "device_mesh")).device_mesh
+    groups = {"main": dist.group.WORLD, **{name: mesh.get_group(name) for name in mesh.mesh_dim_names}}
+
+    def read() -> dict[str, float]:
+        return {name: group._get_backend(torch.device("cpu")).options._timeout.total_seconds()
+                for name, group in groups.items()}
+    startup = read()
+    training_timeout(run.timeout_s, run.out_of_memory.group)
+    return {"startup": startup, "training": read()}
+
+
 def observe(cfg: DictConfig, env: launcher_dist.DistEnv, config_path: str, mode: str, inf_step: int) -> dict:
     run = build(cfg, Path(config_path).parent, env)
+    if mode == "timeouts":  # strategy=fsdp with hybrid sharding: its mesh's groups' timeouts
+        return timeouts(run)
     out: dict = {"rank": env.rank, "init_params": params_hash(run.model.module),
                  "random_draw": torch.rand(1).item(), "steps": []}
     if mode == "eval":

@@ -13,7 +13,7 @@ import pytest
 import torch.distributed.checkpoint as dcp
 
 from conftest import compose_config
-from helpers import (assert_params_close, assert_resumes_at_10_as_it_went_on, profiled_ops, summary, trained,
+from helpers import (assert_params_close, assert_resumes_at_10_as_it_went_on, probe, profiled_ops, summary, trained,
                      weights)
 from launcher.compat import FSDP2_ON_CPU
 from launcher.derived import ConfigError
@@ -97,3 +97,12 @@ def test_reducing_every_micro_batch_all_reduces_across_the_replicas_once_a_step(
 def test_a_shard_size_that_cannot_be_is_refused_in_the_parent(overrides: tuple[str, ...], message: str) -> None:
     with pytest.raises(ConfigError, match=re.escape(message)):
         make_plan(compose_config("+exp=toy", "launcher.nproc_per_node=4", *overrides))
+
+
+def test_the_mesh_s_own_groups_keep_the_run_s_timeouts(tmp_path: Path) -> None:
+    """torch makes hybrid sharding's replica and shard groups with its default timeout (NCCL's 10 minutes; gloo's 30
+    here): they take the main group's, dist.startup_timeout_s until the first step and dist.timeout_s after."""
+    records = probe(tmp_path, 4, "timeouts", *HYBRID, "dist.startup_timeout_s=900", "dist.timeout_s=120")
+    for record in records:
+        assert record == {"startup": {"main": 900, "replicate": 900, "shard": 900},
+                          "training": {"main": 120, "replicate": 120, "shard": 120}}, record

@@ -19,7 +19,7 @@ from typing import Any, Callable
 
 import numpy as np
 import torch
-from safetensors.torch import load_file, load_model, save_model
+from safetensors.torch import load_model, save_model
 
 from launcher.derived import ConfigError
 from launcher.rundir import (CHECKPOINTS_DIR, MARKER, PRETRAINED_FILE, PRETRAINED_KEYS, best_record, complete_steps,
@@ -205,7 +205,7 @@ def load_latest(run_dir: Path, model: torch.nn.Module, warn: Callable[[str], Non
         return None
     chosen = step_dir(run_dir, step)  # under this node's own path to the run dir
     if sharding.is_sharded(model):  # strategy=fsdp: each rank keeps its rows of the full tensors
-        sharding.load_full_weights(model, load_file(chosen / "model.safetensors"))
+        sharding.load_full_weights(model, chosen / "model.safetensors")
     else:
         load_model(model, str(chosen / "model.safetensors"))
     return torch.load(chosen / "train_state.pt", weights_only=True, map_location="cpu")

@@ -60,7 +60,7 @@ def init(device_type: str, backend: str, timeout_s: float) -> DistEnv:
         device = torch.device("cpu")
     if backend == "auto":
         backend = "nccl" if device.type == "cuda" else "gloo"
-    timeout = timedelta(seconds=timeout_s)
+    timeout = _TIMEOUT[0] = timedelta(seconds=timeout_s)
     # The timeout turns a rank that never enters a collective into an error, not a 30-minute hang.
     dist.init_process_group(backend, store=_attempt_store(rank, world_size, timeout), rank=rank,
                             world_size=world_size, timeout=timeout,
@@ -104,10 +104,26 @@ def startup_timeout_s(startup_s: float, training_s: float) -> float:
 
 def training_timeout(timeout_s: float, *groups: dist.ProcessGroup | None) -> None:
     """Start-up is over: from now on a collective that waits longer than timeout_s fails (every rank), in the
-    main group and in `groups` (None: none)."""
+    main group, in the groups that follow it (follow_main_timeout) and in `groups` (None: none)."""
+    _TIMEOUT[0] = timedelta(seconds=timeout_s)
     if SET_PG_TIMEOUT:
-        for group in (None, *(g for g in groups if g is not None)):
-            SET_PG_TIMEOUT(timedelta(seconds=timeout_s), group)
+        for group in (None, *_FOLLOWING, *(g for g in groups if g is not None)):
+            SET_PG_TIMEOUT(_TIMEOUT[0], group)
+
+
+_TIMEOUT = [timedelta(minutes=30)]  # the main group's timeout now: dist.startup_timeout_s, then dist.timeout_s
+_FOLLOWING: list[dist.ProcessGroup] = []  # groups torch made for this process, whose timeout is the main group's
+
+
+def follow_main_timeout(*groups: dist.ProcessGroup) -> None:
+    """Groups torch made (hybrid sharding's mesh: its replica and shard groups) take the main group's timeout, now
+    and at each change: torch gives them its default (NCCL's 10 minutes: a start-up slower than that on one node
+    failed the run, and a hang went on past dist.timeout_s), and torch 2.6's split of them set the main group's own
+    to it too (split_group wrote the timeout into the parent's options). Every rank, after the mesh is made."""
+    _FOLLOWING.extend(groups)
+    if SET_PG_TIMEOUT:
+        for group in (None, *groups):
+            SET_PG_TIMEOUT(_TIMEOUT[0], group)
 
 
 def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:

@@ -18,12 +18,14 @@ from __future__ import annotations
 import inspect
 import sys
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
 
 from launcher.derived import ConfigError
+from launcher.train.dist import follow_main_timeout
 from launcher.train.precision import Precision
 
 # what the dry run and the launcher's first line say: the workers find the blocks (the parent builds no model)
@@ -117,6 +119,8 @@ def shard(model: nn.Module, reshard_after_forward: bool, block: str | None, prec
     replicas = world_size // group_size
     mesh = (init_device_mesh(device.type, (world_size,)) if replicas == 1 else
             init_device_mesh(device.type, (replicas, group_size), mesh_dim_names=("replicate", "shard")))
+    if replicas > 1:  # (a 1-D mesh over the world is the main group itself)
+        follow_main_timeout(*(mesh.get_group(dim) for dim in range(mesh.ndim)))
     found, said = blocks(model, block)
     if compile_blocks:
         compile_blocks(found)
@@ -181,6 +185,7 @@ def _full(value: Any, on_rank_0: bool) -> Any:
     return full.to("cpu", copy=True) if on_rank_0 else None
 
 
+@torch.no_grad()  # (full_tensor() of a parameter would record the all-gather for autograd)
 def full_weights(model: nn.Module, on_rank_0: bool) -> dict[str, torch.Tensor]:
     """The model's state_dict with full tensors, tied weights one tensor as in the module (rank 0; {} elsewhere).
     One all-gather per tensor: no rank ever holds more than one full tensor at a time on its device."""
@@ -193,40 +198,54 @@ def full_weights(model: nn.Module, on_rank_0: bool) -> dict[str, torch.Tensor]:
     return full if on_rank_0 else {}
 
 
-def _my_rows(full: torch.Tensor, like: Any) -> torch.Tensor:
-    """This rank's part of `full` as fully_shard keeps it (`like`: its DTensor): torch.chunk's piece along the
-    sharded dim (Shard(0) on a 1-D mesh; on hybrid sharding's 2-D mesh Shard(0) within a group, the groups
-    replicas), on the shard's device, in its dtype."""
+def _rows(like: Any) -> tuple[slice, ...]:
+    """The index of this rank's part of a full tensor as fully_shard keeps it (`like`: its DTensor): torch.chunk's
+    piece along the sharded dim (Shard(0) on a 1-D mesh; on hybrid sharding's 2-D mesh Shard(0) within a group,
+    the groups replicas); empty for a rank past the last piece."""
     from torch.distributed.tensor import Replicate, Shard
 
     (mesh_dim, placement), = [(i, p) for i, p in enumerate(like.placements) if isinstance(p, Shard)]
     assert all(isinstance(p, Replicate) for i, p in enumerate(like.placements) if i != mesh_dim), like.placements
-    pieces = torch.chunk(full, like.device_mesh.size(mesh_dim), dim=placement.dim)
-    rank = like.device_mesh.get_local_rank(mesh_dim)
+    length = like.shape[placement.dim]
+    size = -(-length // like.device_mesh.size(mesh_dim))  # torch.chunk's: the last piece shorter, or none at all
+    start = min(like.device_mesh.get_local_rank(mesh_dim) * size, length)
+    return (slice(None),) * placement.dim + (slice(start, min(start + size, length)),)
+
+
+def _my_rows(full: Any, like: Any, shape: list[int]) -> torch.Tensor:
+    """This rank's part of `full` (a tensor, or safetensors' slice of one in a file, read alone), of `shape`, on
+    the shard's device, in its dtype, a copy of its own (not a view that keeps `full`)."""
     local = like.to_local()
-    piece = pieces[rank] if rank < len(pieces) else full.new_empty(local.shape)
-    if piece.shape != local.shape:
-        raise ValueError(f"a checkpoint tensor of shape {tuple(full.shape)} does not fit a parameter of shape "
+    if list(shape) != list(like.shape):
+        raise ValueError(f"a checkpoint tensor of shape {tuple(shape)} does not fit a parameter of shape "
                          f"{tuple(like.shape)}")
-    return piece.to(device=local.device, dtype=local.dtype)
+    return full[_rows(like)].to(device=local.device, dtype=local.dtype, copy=True)
 
 
 @torch.no_grad()
-def load_full_weights(model: nn.Module, tensors: dict[str, torch.Tensor]) -> None:
-    """Copy full tensors (a checkpoint's model.safetensors) into the shards; a name the file leaves out must be
-    tied to one it holds (safetensors saves tied weights once), as load_model allows for DDP."""
+def load_full_weights(model: nn.Module, path: Path) -> None:
+    """Copy the full tensors of a checkpoint's model.safetensors into the shards, each rank reading only its rows
+    from the file (1/world of the reads from a shared file system at every resume, where each rank read it whole);
+    a name the file leaves out must be tied to one it holds (safetensors saves tied weights once), as load_model
+    allows for DDP."""
+    from safetensors import safe_open
+
     targets = model.state_dict(keep_vars=True)
-    unexpected = sorted(set(tensors) - set(targets))
-    loaded = {id(targets[name]) for name in tensors if name in targets}
-    missing = sorted(name for name, target in targets.items() if name not in tensors and id(target) not in loaded)
-    if unexpected or missing:
-        raise ValueError(f"the checkpoint does not fit the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
-    for name, full in tensors.items():
-        target = targets[name]
-        if is_dtensor(target):
-            target.to_local().copy_(_my_rows(full, target))
-        else:
-            target.copy_(full)
+    with safe_open(str(path), framework="pt") as tensors:
+        names = list(tensors.keys())
+        unexpected = sorted(set(names) - set(targets))
+        loaded = {id(targets[name]) for name in names if name in targets}
+        missing = sorted(name for name, target in targets.items() if name not in names and id(target) not in loaded)
+        if unexpected or missing:
+            raise ValueError(f"the checkpoint does not fit the model: missing {missing[:5]}, unexpected "
+                             f"{unexpected[:5]}")
+        for name in names:
+            target = targets[name]
+            if is_dtensor(target):
+                rows = tensors.get_slice(name)
+                target.to_local().copy_(_my_rows(rows, target, rows.get_shape()))
+            else:
+                target.copy_(tensors.get_tensor(name))
 
 
 def shard_optimizer_state(optimizer: torch.optim.Optimizer, saved: dict[str, Any]) -> dict[str, Any]:
@@ -238,8 +257,8 @@ def shard_optimizer_state(optimizer: torch.optim.Optimizer, saved: dict[str, Any
     state = {}
     for index, moments in saved["state"].items():
         param = params[int(index)]
-        state[index] = {key: DTensor.from_local(_my_rows(value, param), param.device_mesh, param.placements,
-                                                shape=param.shape, stride=param.stride())
+        state[index] = {key: DTensor.from_local(_my_rows(value, param, list(value.shape)), param.device_mesh,
+                                                param.placements, shape=param.shape, stride=param.stride())
                         if is_dtensor(param) and isinstance(value, torch.Tensor)
                         and value.shape == param.shape else value
                         for key, value in moments.items()}
