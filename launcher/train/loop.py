@@ -55,7 +55,8 @@ def train(run: Run, progress: Progress, stop: StopFlag, final_eval: dict[str, fl
         progress.eval_due = False
     stream = window_stream(run, progress, stop)
     meter = Meter(run.env.device, training_flops_per_item(run.module),
-                  peak_flops(run.env.device, run.precision.name, run.precision.tf32), run.env.rank, run.env.world_size)
+                  peak_flops(run.env.device, run.precision.name, run.precision.tf32), run.env.rank, run.env.world_size,
+                  sharded=sharding.is_sharded(run.module))
     ledger = step_ledger(run, progress)
     started, preempted, first_step_at = time.perf_counter(), False, None
     compile_counts: dict[str, int] = {}

@@ -55,10 +55,11 @@ def peak_memory_mb(device: torch.device) -> float:
 
 
 class Meter:
-    def __init__(self, device: torch.device, flops_per_item: float, peak: float | None, rank: int, world_size: int):
+    def __init__(self, device: torch.device, flops_per_item: float, peak: float | None, rank: int, world_size: int,
+                 sharded: bool = False):
         self.device, self.flops_per_item, self.peak, self.world_size = device, flops_per_item, peak, world_size
         self.loss = torch.zeros((), device=device)
-        self.timer = ComputeTimer(device, rank, world_size)  # the step starts and stops it
+        self.timer = ComputeTimer(device, rank, world_size, sharded)  # the step starts and stops it
         self.reset()
 
     def reset(self) -> None:

@@ -4,7 +4,8 @@ In synchronous DDP every rank's step lasts as long as the slowest rank's (the fa
 all-reduces), so step times cannot show a straggler. What each rank spends before it waits can: the
 forward and backward of micro-batches 1..K-1 and the last forward (the last backward waits in DDP's
 all-reduce), after the step's first all-reduce. Timed with CUDA events on a GPU (GPU time, no host
-sync), with the host clock on the CPU. At log steps one small all-reduce gives every rank all the sums.
+sync), with the host clock on the CPU. At log steps one small all-reduce gives every rank all the sums. Not under
+strategy=fsdp, whose gathers inside every forward and backward make every rank wait for the slowest there too.
 Exercised by: tests/test_observability.py (a rank slowed on purpose is named).
 """
 from __future__ import annotations
@@ -18,10 +19,13 @@ from launcher.train.dist import all_reduce_sum
 
 
 class ComputeTimer:
-    def __init__(self, device: torch.device, rank: int, world_size: int):
+    def __init__(self, device: torch.device, rank: int, world_size: int, sharded: bool = False):
         self.device, self.rank, self.world_size = device, rank, world_size
         self.cuda = device.type == "cuda"
-        self.on = world_size > 1  # one rank has nobody to compare with: no events, no host clock
+        # One rank has nobody to compare with: no events, no host clock. Nor under strategy=fsdp (`sharded`): each
+        # forward and backward gathers weights from every rank, so every rank's time before it waits holds the
+        # others' too (a rank slowed on purpose read 1.00x, and was named as often as the other)
+        self.on = world_size > 1 and not sharded
         self.spans: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
         self.host_s, self.started, self.last_s = 0.0, 0.0, 0.0
 

@@ -90,6 +90,8 @@ def build(cfg: DictConfig, run_dir: Path, env: launcher_dist.DistEnv) -> Run:
                                                            precision, env.device, env.world_size, group, compile_each)
         if cfg.strategy.reduce_every_micro_batch:
             said += "; each micro-batch's gradients reduce-scattered (strategy.reduce_every_micro_batch)"
+        if env.world_size > 1:  # (launcher/train/straggler.py)
+            said += "; no straggler metrics (every rank waits for the others in each block's gathers)"
         trained = model  # its forward gathers each block's weights
     else:
         said = None
