@@ -9,6 +9,7 @@ Exercised by: `python -m launcher +exp=toy` (look at <run_dir>/metrics.jsonl and
 from __future__ import annotations
 
 import json
+import math
 import signal
 import sys
 import time
@@ -210,7 +211,7 @@ def strict_json(record: dict[str, Any], indent: int | None = None) -> str:
     """JSON that strict readers (JavaScript's JSON.parse, dashboards) take: a non-finite number (the loss of a run
     that diverged, or of one that trained no step) is null, not NaN."""
     def finite(value: Any) -> Any:
-        if isinstance(value, float) and (value != value or value in (float("inf"), float("-inf"))):
+        if isinstance(value, float) and not math.isfinite(value):
             return None
         if isinstance(value, dict):
             return {key: finite(item) for key, item in value.items()}
