@@ -34,6 +34,11 @@ def write_atomically(path: Path, data: str | bytes) -> None:
     os.replace(tmp, path)
 
 
+def shown_number(value: float | None) -> str:
+    """A number that metrics.jsonl or summary.json holds, as a line shows it (they write a non-finite one as null)."""
+    return "inf/nan" if value is None else f"{value:.4g}"
+
+
 def step_dir(run_dir: Path, step: int) -> Path:
     """The checkpoint of `step` (complete once it holds MARKER)."""
     return run_dir / CHECKPOINTS_DIR / str(step)

@@ -13,7 +13,7 @@ from omegaconf import OmegaConf
 
 from launcher.derived import ConfigError, config_hash, differing_keys, trajectory_config
 from launcher.redact import redacted
-from launcher.rundir import complete_steps, ended_summary
+from launcher.rundir import complete_steps, ended_summary, shown_number
 
 
 def new_dir_key() -> str:
@@ -69,9 +69,9 @@ def finished(run_dir: Path, config: dict[str, Any], resume_step: int | None) -> 
     summary = ended_summary(run_dir, max_steps)  # (steps: not those of an earlier, shorter config)
     if summary is None:
         return None
-    evaluated = " ".join(f"{k}={_number(v)}" for k, v in (summary.get("eval") or {}).items()) or "none"
+    evaluated = " ".join(f"{k}={shown_number(v)}" for k, v in (summary.get("eval") or {}).items()) or "none"
     if max_steps:
-        return (f"run dir {run_dir} already finished: {max_steps} steps, final loss {_number(summary['final_loss'])}, eval "
+        return (f"run dir {run_dir} already finished: {max_steps} steps, final loss {shown_number(summary['final_loss'])}, eval "
                 f"{evaluated}; nothing to run (to train on, raise train.max_steps with "
                 f"resume.allow_config_change=true; to train again, use a new {new_dir_key()})")
     if summary.get("config_hash") != config_hash(config):  # train.max_steps=0 with another config: a new evaluation
@@ -90,7 +90,3 @@ def _at(config: dict[str, Any], dotted: str) -> str:
     if node is None or isinstance(node, bool):  # (YAML's words)
         return "null" if node is None else str(node).lower()
     return str(redacted(dotted, node))[:60]  # (the line goes to launcher.log too: no token, no URL's credentials)
-
-
-def _number(value: float | None) -> str:
-    return "inf/nan" if value is None else f"{value:.4g}"  # (summary.json writes a non-finite number as null)

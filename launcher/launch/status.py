@@ -17,7 +17,8 @@ from launcher.launch.run_lock import lock_holder
 from launcher.launch.run_log import failure_line
 from launcher.launch.slurm_jobs import recorded_job, slurm_states
 from launcher.preempt import PREEMPTED_FILE
-from launcher.rundir import ERROR_FILE, LAUNCH_FILE, SUMMARY_FILE, best_record, complete_steps, is_run_dir
+from launcher.rundir import (ERROR_FILE, LAUNCH_FILE, SUMMARY_FILE, best_record, complete_steps, is_run_dir,
+                             shown_number)
 
 
 DEFAULT_ROOTS = ("runs", "multirun")  # conf/config.yaml's hydra.run.dir and hydra.sweep.dir, relative to the cwd
@@ -55,9 +56,9 @@ def describe(run_dir: Path, job: str | None, slurm: dict[str, str]) -> dict[str,
     metrics = run_dir / "metrics.jsonl"
     for record in map(json.loads, metrics.read_text().splitlines() if metrics.is_file() else []):
         if "loss" in record:
-            row["step"], row["loss"] = record["step"], _number(record["loss"])
+            row["step"], row["loss"] = record["step"], shown_number(record["loss"])
         if "eval" in record:
-            row["eval"] = " ".join(f"{k}={_number(v)}" for k, v in record["eval"].items())
+            row["eval"] = " ".join(f"{k}={shown_number(v)}" for k, v in record["eval"].items())
     best = best_record(run_dir)
     if best:  # a sweep over train.best_metric's runs: which point did best, and when
         row["best"] = f"{best['metric']}={best['value']:.4g}@{best['step']}"
@@ -113,10 +114,6 @@ def main(argv: list[str]) -> int:
         if row["state"] == "FAILED" and failure_line(run_dir):
             print(f"{run_dir}: {failure_line(run_dir)} (more in {run_dir / ERROR_FILE})")
     return 0
-
-
-def _number(value: float | None) -> str:
-    return "inf/nan" if value is None else f"{value:.4g}"  # (metrics.jsonl writes a non-finite number as null)
 
 
 if __name__ == "__main__":
