@@ -25,7 +25,12 @@ if os.environ.get("RANK", "0") != "0":  # one load report is enough
 
 
 def _load_model(cls: Any, pretrained: str, **kwargs: Any) -> torch.nn.Module:
-    """from_pretrained with transformers' load report (a key table, "seems corrupted") as rank 0's one line."""
+    """from_pretrained with transformers' load report (a key table, "seems corrupted") as rank 0's one line; on
+    the meta device (strategy=fsdp's ranks other than 0, which receive rank 0's weights) the structure alone, from
+    the same config, reading no weights."""
+    if torch.get_default_device().type == "meta":
+        config = kwargs.pop("config", None) or _from_pretrained(AutoConfig, pretrained, **kwargs)
+        return cls.from_config(config) if hasattr(cls, "from_config") else cls._from_config(config)
     verbosity, _ = transformers.logging.get_verbosity(), transformers.logging.set_verbosity_error()
     try:
         model, info = _from_pretrained(cls, pretrained, output_loading_info=True, **kwargs)

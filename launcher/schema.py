@@ -198,6 +198,10 @@ class StrategyConfig:
     # HSDP: every node keeps a replica, and the gradients are all-reduced across the nodes); or a number of ranks
     # that divides the world size (consecutive ranks: a node's, then the next node's)
     shard_size: Optional[Union[int, str]] = None
+    # fsdp only: rank 0 alone builds the model whole (and reads a pretrained one); the others build it on the meta
+    # device and receive their rows from rank 0 (one whole copy in host memory, not one a rank); false: every rank
+    # builds it whole, for a job whose build cannot run on the meta device
+    meta_init: Optional[bool] = None
 
 
 @dataclass

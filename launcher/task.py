@@ -48,6 +48,9 @@ class Task(Protocol):
     #   the checkpoint's writer thread while training goes on: it reads only what training never changes (the
     #   model's config), and the weights' dtype from the model.safetensors already written in `directory` (under
     #   strategy=fsdp with bf16/fp16 the module's parameters are half-precision copies in the middle of a step).
+    # The model's target under strategy=fsdp (strategy.meta_init) runs on the meta device on every rank but 0, whose
+    # weights the others receive: where torch.get_default_device() is meta, build the structure alone, the same as
+    # rank 0's, and read no weights (transformers: from_config, not from_pretrained; jobs/bert.py's _load_model).
     # An error the job raises while it is built, with a true `one_line` attribute, is a message for the user (a
     # bad row of a data file): the launcher shows its one line, and no rank its traceback.
 

@@ -25,7 +25,7 @@ def check_strategy(cfg: DictConfig, device_type: str, compiles: bool, accumulati
     name = getattr(strategy.name, "value", strategy.name)  # Enum when typed
     scope = cfg.train.compile_scope
     if name == "ddp":
-        for key in ("reshard_after_forward", "reduce_every_micro_batch", "shard_size"):
+        for key in ("reshard_after_forward", "reduce_every_micro_batch", "shard_size", "meta_init"):
             if strategy[key] is not None:
                 raise ConfigError(f"strategy.{key}={str(strategy[key]).lower()} has no effect with strategy=ddp; "
                                   f"add strategy=fsdp, or drop strategy.{key}")

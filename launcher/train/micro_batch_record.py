@@ -36,7 +36,8 @@ def memory_config(config: dict[str, Any], world_size: int, device: torch.device)
     torch: a record any rank writes (the one that ran out) reads the same to rank 0, which judges it."""
     train, dist, strategy = (config.get(part) or {} for part in ("train", "dist", "strategy"))
     mine = {"model": config.get("model"), "data": config.get("data"), "optimizer": config.get("optimizer"),
-            "precision": config.get("precision"), "strategy": strategy,
+            # (strategy.meta_init changes how the model is built on host, not what a rank holds on its device)
+            "precision": config.get("precision"), "strategy": {k: v for k, v in strategy.items() if k != "meta_init"},
             "train": {key: train.get(key) for key in MEMORY_TRAIN_KEYS},
             "dist": {key: dist.get(key) for key in MEMORY_DIST_KEYS},
             "world_size": world_size if strategy.get("name") == "fsdp" else None,

@@ -5,7 +5,8 @@ Every rank keeps 1/world of each weight, gradient and optimizer moment (Shard(0)
 micro-batches of an accumulating step its own whole gradients, which the last one's backward reduce-scatters,
 unless strategy.reduce_every_micro_batch reduce-scatters each backward's: launcher/train/step.py) and all-gathers a
 block's weights while the block runs; with strategy.shard_size (hybrid sharding) 1/shard_size, each group of
-ranks a replica. A checkpoint holds the full weights in DDP's
+ranks a replica. By default (strategy.meta_init) only rank 0 builds the model whole; the others build it on the
+meta device and receive their rows (launcher/train/meta_init.py). A checkpoint holds the full weights in DDP's
 model.safetensors: rank 0 gathers them (one all-gather per tensor, to host memory), and a start reads them and
 keeps its own rows. So a transformers job's checkpoint stays a save_pretrained dir. The optimizer's moments are
 written by every rank in shards (launcher/train/sharded_checkpoint.py). A checkpoint resumes on any world size and
@@ -206,10 +207,16 @@ def _rows(like: Any) -> tuple[slice, ...]:
 
     (mesh_dim, placement), = [(i, p) for i, p in enumerate(like.placements) if isinstance(p, Shard)]
     assert all(isinstance(p, Replicate) for i, p in enumerate(like.placements) if i != mesh_dim), like.placements
-    length = like.shape[placement.dim]
-    size = -(-length // like.device_mesh.size(mesh_dim))  # torch.chunk's: the last piece shorter, or none at all
-    start = min(like.device_mesh.get_local_rank(mesh_dim) * size, length)
-    return (slice(None),) * placement.dim + (slice(start, min(start + size, length)),)
+    piece = rows_of(like.shape[placement.dim], like.device_mesh.size(mesh_dim), like.device_mesh.get_local_rank(mesh_dim))
+    return (slice(None),) * placement.dim + (piece,)
+
+
+def rows_of(length: int, parts: int, index: int) -> slice:
+    """Piece `index` of `parts` of `length` rows as torch.chunk cuts them (FSDP2's Shard(0)): the last shorter,
+    or none at all."""
+    size = -(-length // parts)
+    start = min(index * size, length)
+    return slice(start, min(start + size, length))
 
 
 def _my_rows(full: Any, like: Any, shape: list[int]) -> torch.Tensor:

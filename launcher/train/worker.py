@@ -9,6 +9,7 @@ import json
 import os
 import sys
 import traceback
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +32,7 @@ from launcher.derived import (NODE_CONFIG, ConfigError, auto_precision, compiles
                               differing_keys, grad_accum_steps, takes_fused)
 from launcher.preempt import REQUEUE_EXIT_CODE, StopFlag, preemption_signals
 from launcher.process_exit import exit_without_teardown
-from launcher.train import checkpoint, micro_batch, sharding
+from launcher.train import checkpoint, meta_init, micro_batch, sharding
 from launcher.train import dist as launcher_dist
 from launcher.train.background_save import BackgroundSave
 from launcher.train.best import best_eval
@@ -71,7 +72,12 @@ def build(cfg: DictConfig, run_dir: Path, env: launcher_dist.DistEnv) -> Run:
                                             warn=lambda message: print(message, file=sys.stderr, flush=True))
     task = build_part("data", cfg.data, **sources["data"])
     check_task(task, cfg.data._target_)
-    model = build_part("model", cfg.model, **sources["model"])
+    make = partial(build_part, "model", cfg.model, **sources["model"])
+    group = sharding.shard_size(cfg.strategy.shard_size, env.world_size, cfg.plan.nproc_per_node) \
+        if cfg.strategy.name == "fsdp" else None
+    # strategy.meta_init: rank 0 builds the model, the others on the meta device; each receives its rows from rank 0
+    model, mine = (meta_init.build(make, env.rank, group, env.device) if meta_init.in_use(cfg.strategy, env.world_size)
+                   else (make(), None))
     if cfg.strategy.name != "fsdp":  # fsdp: fully_shard moves each block (then the root's own weights) to the device
         model.to(env.device)  # and cuts it there: one block at a time is whole on a GPU, never the whole model
     model.train()  # dropout on from step 1: HF's from_pretrained returns a model in eval mode
@@ -85,9 +91,12 @@ def build(cfg: DictConfig, run_dir: Path, env: launcher_dist.DistEnv) -> Run:
     by_block = compiling and compiles_each_block(cfg.strategy.name, train_cfg.compile_scope)
     compile_each = (lambda found: compile_blocks(found, train_cfg, cfg.strategy.name == "fsdp")) if by_block else None
     if cfg.strategy.name == "fsdp":  # (the parent lets no DDP key or graph split through)
-        group = sharding.shard_size(cfg.strategy.shard_size, env.world_size, cfg.plan.nproc_per_node)
         said = "strategy=fsdp: sharded " + sharding.shard(model, cfg.strategy.reshard_after_forward, cfg.strategy.block,
                                                            precision, env.device, env.world_size, group, compile_each)
+        if mine is not None:  # (strategy.meta_init)
+            if not env.is_main:
+                meta_init.receive(model, mine, env.device)
+            said += "; built on rank 0 alone, the others' rows sent from it (strategy.meta_init)"
         if cfg.strategy.reduce_every_micro_batch:
             said += "; each micro-batch's gradients reduce-scattered (strategy.reduce_every_micro_batch)"
         if env.world_size > 1:  # (launcher/train/straggler.py)

@@ -1,0 +1,152 @@
+"""strategy=fsdp's one build (strategy.meta_init): only rank 0 builds the model whole; the others build it on the
+meta device and receive their rows from rank 0.
+
+Without it every rank built the whole model in host memory (and read a pretrained one whole) before fully_shard
+kept its rows: a node of 8 ranks training a 7B model in float32 held 8 x 28 GB, and read the checkpoint 8 times.
+On the meta device a build allocates nothing, initialises nothing and reads no weights. Before fully_shard rank 0
+broadcasts each tensor, one at a time, and every other rank keeps its rows; after it their shards and buffers are
+allocated on their device (to_empty) and filled with those rows. The weights are rank 0's, as every rank's were
+the same build from the same seed: the trajectory is the same bitwise (tests/test_meta_init.py).
+
+A job's model build must then make the structure alone where torch.get_default_device() is meta (transformers:
+from_config, not from_pretrained, which refuses the meta device: jobs/bert.py). Ranks that built different
+structures, a model holding tensors outside its parameters and buffers (which no rank could send), or a build
+that fails on the meta device are refused on every rank with one line, before any tensor is sent. Exercised by:
+tests/test_meta_init.py (and every fsdp test of more than one rank, where it is the default).
+"""
+from __future__ import annotations
+
+from contextlib import nullcontext
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from launcher.derived import ConfigError
+from launcher.train.sharding import is_dtensor, rows_of
+
+OFF = "or set strategy.meta_init=false (every rank builds the whole model)"
+
+
+def in_use(strategy: Any, world_size: int) -> bool:
+    """Whether rank 0 builds alone: strategy=fsdp with strategy.meta_init over more than one rank (a world of 1
+    builds as DDP does)."""
+    return strategy.name == "fsdp" and bool(strategy.get("meta_init")) and world_size > 1
+
+
+def build(make: Callable[[], nn.Module], rank: int, group_size: int,
+          device: torch.device) -> tuple[nn.Module, dict[str, torch.Tensor]]:
+    """Every rank (collectives): make() (the job's model), on the meta device but on rank 0, then send(): this
+    rank's rows of rank 0's tensors ({} on rank 0), which receive() puts in place once the model is sharded.
+
+    Every rank enters the one gather, whether its build failed or not, and all raise if one did (a rank left
+    waiting in a collective for one that failed would add a traceback of a lost connection): a rank's own error,
+    with its build on the meta device named where it failed there; the others, that rank's line."""
+    empty = rank != 0
+    model, error = None, None
+    try:
+        with torch.device("meta") if empty else nullcontext():
+            model = make()
+    except Exception as caught:  # (what make raises is the job's: told below, on every rank)
+        error = caught
+    line = None if error is None else str(error).splitlines()[0] if str(error) else type(error).__name__
+    if error is not None and empty:
+        line += (" (strategy=fsdp: ranks other than 0 build the model on the meta device; a job's build makes the "
+                 f"structure alone where torch.get_default_device() is meta, e.g. transformers' from_config; {OFF})")
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, (line, *(layout(model, empty) if model is not None else ([], []))))
+    failed = next(((r, said) for r, (said, _, _) in enumerate(gathered) if said), None)
+    if error is not None and not empty:
+        raise error
+    if failed:
+        failure = ValueError(line if error is not None else f"rank {failed[0]}'s model: {failed[1]}")
+        failure.one_line = True  # the line says it all (rank 0 shows a traceback of its own fault)
+        raise failure from error
+    check_same_build(gathered)
+    return model, send(model, rank, group_size, device)
+
+
+def tensors(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """Every parameter and buffer (non-persistent ones too, which no state_dict holds), a tied one under each
+    of its names, in the module's order (the same on every rank that built the same structure)."""
+    return [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]
+
+
+def layout(model: nn.Module, empty: bool) -> tuple[list[tuple], list[str]]:
+    """What two builds must agree on (each tensor's name, shape, dtype, requires_grad and what it is tied to),
+    and, built on the meta device, the tensors it keeps in plain attributes (no rank could send them: they
+    would stay meta, and fail in the first forward)."""
+    first: dict[int, str] = {}
+    tied = [(name, tuple(t.shape), str(t.dtype), t.requires_grad, first.setdefault(id(t), name))
+            for name, t in tensors(model)]
+    strays = [f"{prefix}.{key}".lstrip(".") for prefix, module in model.named_modules() if empty
+              for key, value in vars(module).items() if isinstance(value, torch.Tensor) and value.is_meta]
+    return tied, strays
+
+
+def check_same_build(gathered: list[tuple[Any, list[tuple], list[str]]]) -> None:
+    """Raise ConfigError (on every rank: all hold every rank's layout) where a rank's build differs from rank 0's,
+    or keeps tensors in plain attributes."""
+    ours = gathered[0][1]
+    for rank, (_, theirs, stray) in enumerate(gathered):
+        if stray:
+            raise ConfigError(f"strategy=fsdp: the model keeps tensors outside its parameters and buffers "
+                              f"({', '.join(stray[:3])}), which a build on the meta device leaves empty on rank "
+                              f"{rank}; make them buffers (register_buffer(name, tensor, persistent=False)), {OFF}")
+        if theirs != ours:
+            at = next((i for i, (a, b) in enumerate(zip(theirs, ours)) if a != b), min(len(theirs), len(ours)))
+            raise ConfigError(f"strategy=fsdp: rank {rank} built on the meta device a model unlike rank 0's "
+                              f"({_said(theirs[at:])} against rank 0's {_said(ours[at:])}); the job's build must "
+                              f"make the same structure there, {OFF}")
+
+
+def _said(entries: list[Any]) -> str:
+    """The first of a rank's tensors where two builds part, in words."""
+    if not entries:
+        return "no more tensors"
+    name, shape, dtype, grad, tied = entries[0]
+    return f"{name} {list(shape)} {dtype.removeprefix('torch.')}" + (" requires_grad=False" if not grad else "") + (
+        f" tied to {tied}" if tied != name else "")
+
+
+@torch.no_grad()
+def send(model: nn.Module, rank: int, group_size: int, device: torch.device) -> dict[str, torch.Tensor]:
+    """Before fully_shard: rank 0 broadcasts each tensor whole, one at a time (on its way to `device`), and each
+    other rank keeps its rows of a parameter (those fully_shard will give it: Shard(0) among the `group_size` ranks
+    of its group, consecutive ones) and the whole of a buffer, on `device`. Sent before sharding, so that rank 0's
+    whole tensors go as fully_shard replaces them, as where every rank builds (it would hold 1 + 1/world of the
+    model after it); the others hold their rows, never the whole."""
+    params = {id(p) for p in model.parameters()}
+    sent: set[int] = set()
+    mine = {}
+    for name, tensor in tensors(model):
+        if id(tensor) in sent:  # a tied tensor: sent under its first name
+            continue
+        sent.add(id(tensor))
+        if rank:
+            incoming = torch.empty(tensor.shape, dtype=tensor.dtype, device=device)
+        else:
+            incoming = tensor.detach().to(device).contiguous()
+        dist.broadcast(incoming, src=0)
+        if rank:
+            mine[name] = incoming[rows_of(len(incoming), group_size, rank % group_size)].clone() \
+                if id(tensor) in params and incoming.dim() else incoming  # (fully_shard refuses a 0-dim one)
+    return mine
+
+
+@torch.no_grad()  # (a copy into a DTensor's local tensor under autograd is refused)
+def receive(model: nn.Module, mine: dict[str, torch.Tensor], device: torch.device) -> None:
+    """After fully_shard, on the ranks that built on the meta device: their shards and buffers allocated on
+    `device` (to_empty), and filled with the rows send() kept."""
+    model.to_empty(device=device)
+    for name, target in tensors(model):
+        if name not in mine:  # (a tied tensor's other names)
+            continue
+        local = target.to_local() if is_dtensor(target) else target
+        rows = mine.pop(name)
+        if local.shape != rows.shape:  # FSDP2 cuts otherwise than rows_of (a torch of its own): say so, never train on
+            raise RuntimeError(f"strategy.meta_init: fully_shard keeps rows of shape {tuple(local.shape)} of {name} "
+                               f"here, and rows_of {tuple(rows.shape)}; set strategy.meta_init=false")
+        local.copy_(rows)
+    assert not mine, f"tensors fully_shard no longer holds: {sorted(mine)[:3]}"
