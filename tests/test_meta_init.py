@@ -2,10 +2,10 @@
 
 Under strategy=fsdp only rank 0 builds the model whole; the others build it on the meta device and receive their
 rows from rank 0 once it is sharded. A probe model records where each rank built it, and has what a broadcast
-could miss: a weight tied to another, a frozen one, a buffer no state_dict holds (non-persistent), a persistent
-one. Its training is bitwise the one of every rank building whole, on 2 ranks and on 3 (uneven rows). A build
-that differs between the ranks, keeps a tensor outside its parameters and buffers, or fails on the meta device,
-is refused in one line naming strategy.meta_init=false.
+could miss: a weight tied to another, a frozen one, one of a single row (none for the other ranks), a buffer no
+state_dict holds (non-persistent), a persistent one, one buffer of two modules, a tensor in a plain attribute,
+and a plain attribute that is a buffer. Its training is bitwise the one of every rank building whole, on 2 ranks and on 3 (uneven rows). A build
+that differs between the ranks or fails on the meta device is refused in one line naming strategy.meta_init=false.
 """
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ PROBE = textwrap.dedent('''\
 
     class Net(nn.Module):
         def __init__(self, in_features, hidden, out_features, depth=2, dtype="float32", host_read=False, dropout=0.0,
-                     batch_norm=False, untraceable=False, stray=False, differs=False, fails=False):
+                     batch_norm=False, untraceable=False, differs=False, fails=False):
             super().__init__()
             on_meta = torch.get_default_device().type == "meta"
             Path(os.environ["PROBE_DIR"], "rank" + os.environ["RANK"]).write_text(str(torch.get_default_device()))
@@ -47,13 +47,17 @@ PROBE = textwrap.dedent('''\
             self.gain = nn.Parameter(torch.tensor([1.5]))  # one row: none for the ranks after rank 0
             self.register_buffer("scale", torch.linspace(0.5, 1.5, hidden), persistent=False)
             self.register_buffer("shift", torch.randn(hidden) / 10)
-            if stray:
-                self.table = torch.arange(hidden)  # neither a parameter nor a buffer
-            self.to(getattr(torch, dtype))
+            self.table = torch.arange(hidden) / hidden  # neither a parameter nor a buffer: a plain attribute
+            self.to(getattr(torch, dtype))  # (a tensor of two modules becomes two: .to() converts each module's)
+            tilt = torch.linspace(-0.2, 0.2, hidden, dtype=getattr(torch, dtype))  # one buffer of two modules
+            self.inp.register_buffer("tilt", tilt, persistent=False)
+            self.mid.register_buffer("tilt", tilt, persistent=False)
+            self.scale_again = self.scale  # a plain attribute that is a buffer (transformers 4's rotary embeddings)
 
         def forward(self, x):
-            h = torch.tanh(self.inp(x)) * self.scale + self.shift + self.frozen
-            return self.out(torch.tanh(self.again(torch.tanh(self.mid(h))))) * self.gain
+            h = torch.tanh(self.inp(x) + self.inp.tilt) * self.scale + self.shift + self.frozen + self.table
+            h = torch.tanh(self.mid(h) + self.mid.tilt) * self.scale_again
+            return self.out(torch.tanh(self.again(h))) * self.gain
     ''')
 
 COMMON = ("+exp=toy", "model._target_=meta_probe.Net", "model.dtype=float64", "data.dtype=float64", "strategy=fsdp",
@@ -90,9 +94,6 @@ RUNS = ("meta", "whole")
 
 
 @pytest.mark.parametrize(("bad", "said"), [
-    ("+model.stray=true", "strategy=fsdp: the model keeps tensors outside its parameters and buffers (table), which "
-                          "a build on the meta device leaves empty on rank 1; make them buffers (register_buffer(name, "
-                          "tensor, persistent=False)), or set strategy.meta_init=false"),
     ("+model.differs=true", "strategy=fsdp: rank 1 built on the meta device a model unlike rank 0's (frozen [33] "
                             "float64 requires_grad=False against rank 0's frozen [32] float64 requires_grad=False); the job's build must make the "
                             "same structure there, or set strategy.meta_init=false"),

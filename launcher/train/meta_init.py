@@ -4,15 +4,17 @@ meta device and receive their rows from rank 0.
 Without it every rank built the whole model in host memory (and read a pretrained one whole) before fully_shard
 kept its rows: a node of 8 ranks training a 7B model in float32 held 8 x 28 GB, and read the checkpoint 8 times.
 On the meta device a build allocates nothing, initialises nothing and reads no weights. Before fully_shard rank 0
-broadcasts each tensor, one at a time, and every other rank keeps its rows; after it their shards and buffers are
-allocated on their device (to_empty) and filled with those rows. The weights are rank 0's, as every rank's were
-the same build from the same seed: the trajectory is the same bitwise (tests/test_meta_init.py).
+broadcasts each tensor (parameters, buffers, and tensors kept in plain attributes), one at a time, and every other
+rank keeps its rows; after it their shards and buffers are allocated on their device (to_empty) and filled with
+those rows. The weights are rank 0's, as every rank's were the same build from the same seed: the trajectory is
+the same bitwise (tests/test_meta_init.py).
 
 A job's model build must then make the structure alone where torch.get_default_device() is meta (transformers:
 from_config, not from_pretrained, which refuses the meta device: jobs/bert.py). Ranks that built different
-structures, a model holding tensors outside its parameters and buffers (which no rank could send), or a build
-that fails on the meta device are refused on every rank with one line, before any tensor is sent. Exercised by:
-tests/test_meta_init.py (and every fsdp test of more than one rank, where it is the default).
+structures, or a build that fails on the meta device, are refused on every rank with one line, before any tensor
+is sent. Rank 0's build may take long (a download): the others wait for it in the first gather, within
+dist.startup_timeout_s. Exercised by: tests/test_meta_init.py (and every fsdp test of more than one rank, where
+it is the default).
 """
 from __future__ import annotations
 
@@ -55,7 +57,7 @@ def build(make: Callable[[], nn.Module], rank: int, group_size: int,
         line += (" (strategy=fsdp: ranks other than 0 build the model on the meta device; a job's build makes the "
                  f"structure alone where torch.get_default_device() is meta, e.g. transformers' from_config; {OFF})")
     gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, (line, *(layout(model, empty) if model is not None else ([], []))))
+    dist.all_gather_object(gathered, (line, *(layout(model) if model is not None else ([], []))))
     failed = next(((r, said) for r, (said, _, _) in enumerate(gathered) if said), None)
     if error is not None and not empty:
         raise error
@@ -64,7 +66,7 @@ def build(make: Callable[[], nn.Module], rank: int, group_size: int,
         failure.one_line = True  # the line says it all (rank 0 shows a traceback of its own fault)
         raise failure from error
     check_same_build(gathered)
-    return model, send(model, rank, group_size, device)
+    return model, send(model, rank, group_size, device, places=gathered[0][2])
 
 
 def tensors(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
@@ -73,27 +75,48 @@ def tensors(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
     return [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]
 
 
-def layout(model: nn.Module, empty: bool) -> tuple[list[tuple], list[str]]:
-    """What two builds must agree on (each tensor's name, shape, dtype, requires_grad and what it is tied to),
-    and, built on the meta device, the tensors it keeps in plain attributes (no rank could send them: they
-    would stay meta, and fail in the first forward)."""
+def layout(model: nn.Module) -> tuple[list[tuple], list[str]]:
+    """What two builds must agree on: each parameter's and buffer's name, shape, dtype, requires_grad and the name
+    it is tied to, then each tensor the model keeps in a plain attribute (rank 0 sends those too); and where those
+    attributes are (the others put rank 0's there)."""
     first: dict[int, str] = {}
-    tied = [(name, tuple(t.shape), str(t.dtype), t.requires_grad, first.setdefault(id(t), name))
-            for name, t in tensors(model)]
-    strays = [f"{prefix}.{key}".lstrip(".") for prefix, module in model.named_modules() if empty
-              for key, value in vars(module).items() if isinstance(value, torch.Tensor) and value.is_meta]
-    return tied, strays
+    entries = [(name, tuple(t.shape), str(t.dtype), t.requires_grad, first.setdefault(id(t), name))
+               for name, t in tensors(model)]
+    attributes = plain_attributes(model)
+    entries += [(name, tuple(t.shape), str(t.dtype), None, name) for name, _, _, t in attributes]
+    return entries, [str(t.device) for *_, t in attributes]
+
+
+def plain_attributes(model: nn.Module) -> list[tuple[str, nn.Module, str, torch.Tensor]]:
+    """(name, module, key, tensor) for each tensor a module keeps in a plain attribute, not a buffer's (those are
+    the buffer again: aliases()). A build on the meta device leaves them meta, rank 0's hold values."""
+    buffers = {id(b) for b in model.buffers()}
+    return [(f"{prefix}.{key}".lstrip("."), module, key, value) for prefix, module in model.named_modules()
+            for key, value in vars(module).items() if isinstance(value, torch.Tensor) and id(value) not in buffers]
+
+
+def aliases(model: nn.Module) -> list[tuple[nn.Module, str, str]]:
+    """(module, name, the buffer it is) for each further name of a buffer: one tensor
+    registered in two modules, or a plain attribute that is a buffer (transformers 4's rotary embeddings keep
+    original_inv_freq so). to_empty gives each registered name a tensor of its own and leaves plain attributes on
+    the meta device, where rank 0 keeps one tensor: receive() points them back at the first name's."""
+    first: dict[int, str] = {}
+    for name, buffer in model.named_buffers(remove_duplicate=False):
+        first.setdefault(id(buffer), name)
+    found = []
+    for prefix, module in model.named_modules():
+        for key, buffer in module._buffers.items():
+            if buffer is not None and first[id(buffer)] != f"{prefix}.{key}".lstrip("."):
+                found.append((module, key, first[id(buffer)]))
+        found += [(module, key, first[id(value)]) for key, value in vars(module).items()
+                  if isinstance(value, torch.Tensor) and id(value) in first]
+    return found
 
 
 def check_same_build(gathered: list[tuple[Any, list[tuple], list[str]]]) -> None:
-    """Raise ConfigError (on every rank: all hold every rank's layout) where a rank's build differs from rank 0's,
-    or keeps tensors in plain attributes."""
+    """Raise ConfigError (on every rank: all hold every rank's layout) where a rank's build differs from rank 0's."""
     ours = gathered[0][1]
-    for rank, (_, theirs, stray) in enumerate(gathered):
-        if stray:
-            raise ConfigError(f"strategy=fsdp: the model keeps tensors outside its parameters and buffers "
-                              f"({', '.join(stray[:3])}), which a build on the meta device leaves empty on rank "
-                              f"{rank}; make them buffers (register_buffer(name, tensor, persistent=False)), {OFF}")
+    for rank, (_, theirs, _) in enumerate(gathered):
         if theirs != ours:
             at = next((i for i, (a, b) in enumerate(zip(theirs, ours)) if a != b), min(len(theirs), len(ours)))
             raise ConfigError(f"strategy=fsdp: rank {rank} built on the meta device a model unlike rank 0's "
@@ -106,17 +129,19 @@ def _said(entries: list[Any]) -> str:
     if not entries:
         return "no more tensors"
     name, shape, dtype, grad, tied = entries[0]
-    return f"{name} {list(shape)} {dtype.removeprefix('torch.')}" + (" requires_grad=False" if not grad else "") + (
-        f" tied to {tied}" if tied != name else "")
+    kind = " requires_grad=False" if grad is False else " (a plain attribute)" if grad is None else ""
+    return f"{name} {list(shape)} {dtype.removeprefix('torch.')}{kind}" + (f" tied to {tied}" if tied != name else "")
 
 
 @torch.no_grad()
-def send(model: nn.Module, rank: int, group_size: int, device: torch.device) -> dict[str, torch.Tensor]:
+def send(model: nn.Module, rank: int, group_size: int, device: torch.device,
+         places: list[str]) -> dict[str, torch.Tensor]:
     """Before fully_shard: rank 0 broadcasts each tensor whole, one at a time (on its way to `device`), and each
     other rank keeps its rows of a parameter (those fully_shard will give it: Shard(0) among the `group_size` ranks
-    of its group, consecutive ones) and the whole of a buffer, on `device`. Sent before sharding, so that rank 0's
-    whole tensors go as fully_shard replaces them, as where every rank builds (it would hold 1 + 1/world of the
-    model after it); the others hold their rows, never the whole."""
+    of its group, consecutive ones) and the whole of a buffer, on `device`; a plain attribute's tensor it sets at
+    once, where rank 0's is (`places`). Sent before sharding, so that rank 0's whole tensors go as fully_shard
+    replaces them, as where every rank builds (it would hold 1 + 1/world of the model after it); the others hold
+    their rows, never the whole."""
     params = {id(p) for p in model.parameters()}
     sent: set[int] = set()
     mine = {}
@@ -132,14 +157,23 @@ def send(model: nn.Module, rank: int, group_size: int, device: torch.device) -> 
         if rank:
             mine[name] = incoming[rows_of(len(incoming), group_size, rank % group_size)].clone() \
                 if id(tensor) in params and incoming.dim() else incoming  # (fully_shard refuses a 0-dim one)
+    for (_, module, key, value), place in zip(plain_attributes(model), places):
+        incoming = torch.empty(value.shape, dtype=value.dtype, device=device) if rank else value.to(device).contiguous()
+        dist.broadcast(incoming, src=0)
+        if rank:
+            setattr(module, key, incoming.to(place))
     return mine
 
 
 @torch.no_grad()  # (a copy into a DTensor's local tensor under autograd is refused)
 def receive(model: nn.Module, mine: dict[str, torch.Tensor], device: torch.device) -> None:
     """After fully_shard, on the ranks that built on the meta device: their shards and buffers allocated on
-    `device` (to_empty), and filled with the rows send() kept."""
+    `device` (to_empty), and filled with the rows send() kept; a buffer's further names, the same tensor again."""
+    further = aliases(model)
     model.to_empty(device=device)
+    buffers = dict(model.named_buffers())
+    for module, key, source in further:
+        setattr(module, key, buffers[source])  # (nn.Module's: into _buffers for a registered name)
     for name, target in tensors(model):
         if name not in mine:  # (a tied tensor's other names)
             continue
