@@ -1,11 +1,12 @@
 """strategy.meta_init (launcher/train/meta_init.py), with real processes: torchrun + gloo on CPU.
 
-Under strategy=fsdp only rank 0 builds the model whole; the others build it on the meta device and receive their
-rows from rank 0 once it is sharded. A probe model records where each rank built it, and has what a broadcast
-could miss: a weight tied to another, a frozen one, one of a single row (none for the other ranks), a buffer no
-state_dict holds (non-persistent), a persistent one, one buffer of two modules, a tensor in a plain attribute,
-and a plain attribute that is a buffer. Its training is bitwise the one of every rank building whole, on 2 ranks and on 3 (uneven rows). A build
-that differs between the ranks or fails on the meta device is refused in one line naming strategy.meta_init=false.
+Under strategy=fsdp only rank 0 builds the model whole; the others build it on the meta device, keep their rows
+of each tensor rank 0 broadcasts, and copy them into their shards once the model is sharded. A probe model records
+where each rank built it, and has what a broadcast could miss: a weight tied to another, a frozen one, one of a
+single row (none for the other ranks), a buffer no state_dict holds (non-persistent), a persistent one, one
+buffer of two modules, a tensor in a plain attribute (of two modules), and a plain attribute that is a buffer. Its
+training is bitwise the one of every rank building whole, on 2 ranks and on 3 (uneven rows). A build that
+differs between the ranks or fails on the meta device is refused in one line naming strategy.meta_init=false.
 """
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ PROBE = textwrap.dedent('''\
 
     class Net(nn.Module):
         def __init__(self, in_features, hidden, out_features, depth=2, dtype="float32", host_read=False, dropout=0.0,
-                     batch_norm=False, untraceable=False, differs=False, fails=False):
+                     batch_norm=False, untraceable=False, differs=False, fails=False, lost=False):
             super().__init__()
             on_meta = torch.get_default_device().type == "meta"
             Path(os.environ["PROBE_DIR"], "rank" + os.environ["RANK"]).write_text(str(torch.get_default_device()))
@@ -47,17 +48,19 @@ PROBE = textwrap.dedent('''\
             self.gain = nn.Parameter(torch.tensor([1.5]))  # one row: none for the ranks after rank 0
             self.register_buffer("scale", torch.linspace(0.5, 1.5, hidden), persistent=False)
             self.register_buffer("shift", torch.randn(hidden) / 10)
-            self.table = torch.arange(hidden) / hidden  # neither a parameter nor a buffer: a plain attribute
+            self.table = self.out.table = torch.arange(hidden) / hidden  # neither a parameter nor a buffer
             self.to(getattr(torch, dtype))  # (a tensor of two modules becomes two: .to() converts each module's)
             tilt = torch.linspace(-0.2, 0.2, hidden, dtype=getattr(torch, dtype))  # one buffer of two modules
             self.inp.register_buffer("tilt", tilt, persistent=False)
             self.mid.register_buffer("tilt", tilt, persistent=False)
             self.scale_again = self.scale  # a plain attribute that is a buffer (transformers 4's rotary embeddings)
+            if lost:
+                self.lost = torch.empty(3, device="meta")  # (as transformers 5's from_pretrained may leave one)
 
         def forward(self, x):
             h = torch.tanh(self.inp(x) + self.inp.tilt) * self.scale + self.shift + self.frozen + self.table
             h = torch.tanh(self.mid(h) + self.mid.tilt) * self.scale_again
-            return self.out(torch.tanh(self.again(h))) * self.gain
+            return self.out(torch.tanh(self.again(h))) * self.gain + self.out.table[1]
     ''')
 
 COMMON = ("+exp=toy", "model._target_=meta_probe.Net", "model.dtype=float64", "data.dtype=float64", "strategy=fsdp",
@@ -75,6 +78,9 @@ def launch(tmp_path: Path, name: str, *overrides: str):
     return out, {path.name: path.read_text() for path in sorted(built.iterdir())}
 
 
+RUNS = ("meta", "whole")
+
+
 @pytest.mark.parametrize("ranks", [2, 3])
 def test_rank_0_alone_builds_and_the_run_trains_bitwise_as_when_every_rank_builds(tmp_path: Path, ranks: int) -> None:
     plan = f"launcher.nproc_per_node={ranks}"
@@ -90,13 +96,13 @@ def test_rank_0_alone_builds_and_the_run_trains_bitwise_as_when_every_rank_build
     assert bitwise_equal(weights(tmp_path / "meta", 6), weights(tmp_path / "whole", 6))
 
 
-RUNS = ("meta", "whole")
-
-
 @pytest.mark.parametrize(("bad", "said"), [
     ("+model.differs=true", "strategy=fsdp: rank 1 built on the meta device a model unlike rank 0's (frozen [33] "
-                            "float64 requires_grad=False against rank 0's frozen [32] float64 requires_grad=False); the job's build must make the "
-                            "same structure there, or set strategy.meta_init=false"),
+                            "float64 requires_grad=False against rank 0's frozen [32] float64 requires_grad=False); "
+                            "the job's build must make the same structure there, or set strategy.meta_init=false"),
+    ("+model.lost=true", "strategy=fsdp: rank 0's model keeps lost on the meta device, outside its parameters and "
+                         "buffers: no rank can send it; make it a buffer (register_buffer), or set "
+                         "strategy.meta_init=false"),
     ("+model.fails=true", "model._target_=meta_probe.Net failed: RuntimeError: Tensor.item() cannot be called on meta "
                           "tensors (strategy=fsdp: ranks other than 0 build the model on the meta device; a job's "
                           "build makes the structure alone where torch.get_default_device() is meta, e.g. "

@@ -52,7 +52,8 @@ def build(make: Callable[[], nn.Module], rank: int, group_size: int,
             model = make()
     except Exception as caught:  # (what make raises is the job's: told below, on every rank)
         error = caught
-    line = None if error is None else str(error).splitlines()[0] if str(error) else type(error).__name__
+    line = None if error is None else next((text for text in str(error).splitlines() if text.strip()),
+                                           type(error).__name__)
     if error is not None and empty:
         line += (" (strategy=fsdp: ranks other than 0 build the model on the meta device; a job's build makes the "
                  f"structure alone where torch.get_default_device() is meta, e.g. transformers' from_config; {OFF})")
@@ -76,15 +77,14 @@ def tensors(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
 
 
 def layout(model: nn.Module) -> tuple[list[tuple], list[str]]:
-    """What two builds must agree on: each parameter's and buffer's name, shape, dtype, requires_grad and the name
-    it is tied to, then each tensor the model keeps in a plain attribute (rank 0 sends those too); and where those
-    attributes are (the others put rank 0's there)."""
+    """What two builds must agree on: each parameter's, buffer's and plain attribute's tensor (rank 0 sends those
+    too) by name, shape, dtype, requires_grad and the name it is tied to; and each plain attribute's device type
+    (the others put rank 0's on their device of that type)."""
     first: dict[int, str] = {}
-    entries = [(name, tuple(t.shape), str(t.dtype), t.requires_grad, first.setdefault(id(t), name))
-               for name, t in tensors(model)]
     attributes = plain_attributes(model)
-    entries += [(name, tuple(t.shape), str(t.dtype), None, name) for name, _, _, t in attributes]
-    return entries, [str(t.device) for *_, t in attributes]
+    entries = [(name, tuple(t.shape), str(t.dtype), t.requires_grad, first.setdefault(id(t), name))
+               for name, t in [*tensors(model), *((name, t) for name, _, _, t in attributes)]]
+    return entries, [t.device.type for *_, t in attributes]
 
 
 def plain_attributes(model: nn.Module) -> list[tuple[str, nn.Module, str, torch.Tensor]]:
@@ -114,8 +114,14 @@ def aliases(model: nn.Module) -> list[tuple[nn.Module, str, str]]:
 
 
 def check_same_build(gathered: list[tuple[Any, list[tuple], list[str]]]) -> None:
-    """Raise ConfigError (on every rank: all hold every rank's layout) where a rank's build differs from rank 0's."""
-    ours = gathered[0][1]
+    """Raise ConfigError (on every rank: all hold every rank's layout) where a rank's build differs from rank 0's,
+    or rank 0's keeps a plain attribute on the meta device (transformers 5 builds from_pretrained's model there:
+    one of remote code may keep one), which it could not send."""
+    ours, places = gathered[0][1], gathered[0][2]
+    lost = [entry[0] for entry, place in zip(ours[len(ours) - len(places):], places) if place == "meta"]
+    if lost:
+        raise ConfigError(f"strategy=fsdp: rank 0's model keeps {', '.join(lost[:3])} on the meta device, outside its "
+                          f"parameters and buffers: no rank can send it; make it a buffer (register_buffer), {OFF}")
     for rank, (_, theirs, _) in enumerate(gathered):
         if theirs != ours:
             at = next((i for i, (a, b) in enumerate(zip(theirs, ours)) if a != b), min(len(theirs), len(ours)))
@@ -129,8 +135,8 @@ def _said(entries: list[Any]) -> str:
     if not entries:
         return "no more tensors"
     name, shape, dtype, grad, tied = entries[0]
-    kind = " requires_grad=False" if grad is False else " (a plain attribute)" if grad is None else ""
-    return f"{name} {list(shape)} {dtype.removeprefix('torch.')}{kind}" + (f" tied to {tied}" if tied != name else "")
+    return f"{name} {list(shape)} {dtype.removeprefix('torch.')}" + (" requires_grad=False" if not grad else "") + (
+        f" tied to {tied}" if tied != name else "")
 
 
 @torch.no_grad()
@@ -139,30 +145,36 @@ def send(model: nn.Module, rank: int, group_size: int, device: torch.device,
     """Before fully_shard: rank 0 broadcasts each tensor whole, one at a time (on its way to `device`), and each
     other rank keeps its rows of a parameter (those fully_shard will give it: Shard(0) among the `group_size` ranks
     of its group, consecutive ones) and the whole of a buffer, on `device`; a plain attribute's tensor it sets at
-    once, where rank 0's is (`places`). Sent before sharding, so that rank 0's whole tensors go as fully_shard
-    replaces them, as where every rank builds (it would hold 1 + 1/world of the model after it); the others hold
-    their rows, never the whole."""
+    once, on its device of rank 0's type (`places`). Sent before sharding, so that rank 0's whole tensors go as
+    fully_shard replaces them, as where every rank builds (it would hold 1 + 1/world of the model after it); the
+    others hold their rows, never the whole. A tensor under several names goes once."""
     params = {id(p) for p in model.parameters()}
     sent: set[int] = set()
     mine = {}
     for name, tensor in tensors(model):
-        if id(tensor) in sent:  # a tied tensor: sent under its first name
+        if id(tensor) in sent:
             continue
         sent.add(id(tensor))
-        if rank:
-            incoming = torch.empty(tensor.shape, dtype=tensor.dtype, device=device)
-        else:
-            incoming = tensor.detach().to(device).contiguous()
-        dist.broadcast(incoming, src=0)
-        if rank:
+        incoming = _broadcast(tensor, rank, device)
+        if rank:  # (a 0-dim parameter goes whole, for fully_shard to refuse in its own words)
             mine[name] = incoming[rows_of(len(incoming), group_size, rank % group_size)].clone() \
-                if id(tensor) in params and incoming.dim() else incoming  # (fully_shard refuses a 0-dim one)
+                if id(tensor) in params and incoming.dim() else incoming
+    attributes: dict[int, torch.Tensor] = {}  # (one tensor of two modules: the same one again on every rank)
     for (_, module, key, value), place in zip(plain_attributes(model), places):
-        incoming = torch.empty(value.shape, dtype=value.dtype, device=device) if rank else value.to(device).contiguous()
-        dist.broadcast(incoming, src=0)
+        if id(value) not in attributes:
+            attributes[id(value)] = _broadcast(value, rank, device).to(device if place == device.type else place) \
+                .requires_grad_(value.requires_grad)
         if rank:
-            setattr(module, key, incoming.to(place))
+            setattr(module, key, attributes[id(value)])
     return mine
+
+
+def _broadcast(tensor: torch.Tensor, rank: int, device: torch.device) -> torch.Tensor:
+    """Rank 0's `tensor`, whole, on `device` on every rank."""
+    incoming = torch.empty(tensor.shape, dtype=tensor.dtype, device=device) if rank else \
+        tensor.detach().to(device).contiguous()
+    dist.broadcast(incoming, src=0)
+    return incoming
 
 
 @torch.no_grad()  # (a copy into a DTensor's local tensor under autograd is refused)

@@ -207,7 +207,8 @@ def _rows(like: Any) -> tuple[slice, ...]:
 
     (mesh_dim, placement), = [(i, p) for i, p in enumerate(like.placements) if isinstance(p, Shard)]
     assert all(isinstance(p, Replicate) for i, p in enumerate(like.placements) if i != mesh_dim), like.placements
-    piece = rows_of(like.shape[placement.dim], like.device_mesh.size(mesh_dim), like.device_mesh.get_local_rank(mesh_dim))
+    mesh = like.device_mesh
+    piece = rows_of(like.shape[placement.dim], mesh.size(mesh_dim), mesh.get_local_rank(mesh_dim))
     return (slice(None),) * placement.dim + (piece,)
 
 
