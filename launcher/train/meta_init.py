@@ -26,6 +26,7 @@ import torch.distributed as dist
 from torch import nn
 
 from launcher.derived import ConfigError
+from launcher.train.dist import all_gather_objects
 from launcher.train.sharding import is_dtensor, rows_of
 
 OFF = "or set strategy.meta_init=false (every rank builds the whole model)"
@@ -57,8 +58,7 @@ def build(make: Callable[[], nn.Module], rank: int, group_size: int,
     if error is not None and empty:
         line += (" (strategy=fsdp: ranks other than 0 build the model on the meta device; a job's build makes the "
                  f"structure alone where torch.get_default_device() is meta, e.g. transformers' from_config; {OFF})")
-    gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, (line, *(layout(model) if model is not None else ([], []))))
+    gathered = all_gather_objects((line, *(layout(model) if model is not None else ([], []))))
     failed = next(((r, said) for r, (said, _, _) in enumerate(gathered) if said), None)
     if error is not None and not empty:
         raise error
