@@ -126,6 +126,9 @@ def test_typo_fails_at_compose_time_naming_the_key(tmp_path: Path) -> None:
         "of 16 or change train.micro_batch_size; no point of the sweep ran (fix that value, or leave it out of the "
         "sweep)"]), out.stderr[-2000:]
     assert "worker(s)" not in out.stdout and not (tmp_path / "multirun").exists()
+    # Hydra's launcher said "Launching 2 jobs locally" and "#0 : ..." of a point that never started
+    assert [line.split("[HYDRA] ")[-1] for line in out.stdout.splitlines()] == [
+        "Checking 2 sweep points, then running them here one after the other"], out.stdout
 
 
 def test_cfg_job_prints_the_composed_config(tmp_path: Path) -> None:
@@ -179,6 +182,8 @@ def test_a_slurm_sweep_over_the_micro_batch_is_one_job_array(tmp_path: Path) -> 
     # Hydra's own first line ("Launching 3 jobs locally") says what the launch does
     assert "] Checking 3 sweep points, then showing what would be submitted (dry run) as one Slurm job array\n" in \
         out.stdout and "locally" not in out.stdout, out.stdout[-2000:]
+    said = [line.split("[HYDRA] ")[-1].split(" : ")[0] for line in out.stdout.splitlines() if "[HYDRA] " in line]
+    assert said[1:] == ["\t#0", "\t#1", "\t#2"], out.stdout[-2000:]  # point 0's, held back until every point passed
     assert [OmegaConf.load(tmp_path / "sweep" / str(i) / "config.yaml").plan.grad_accum_steps
             for i in range(3)] == [4, 2, None]
 

@@ -37,7 +37,7 @@ from launcher.launch.run_log import kept_in
 from launcher.launch.shadowed_config import check_shadowed_configs, chosen_configs
 from launcher.launch.slurm_jobs import active_job, job_goes_on
 from launcher.launch.slurm_submit import dependency, queue
-from launcher.launch.sweep_points import check_every_point
+from launcher.launch.sweep_points import check_every_point, show_held
 from launcher.launch.target_check import check_targets, job_files
 from launcher.launch.tracker_start import hydra_point, mark_failed, start_trackers
 from launcher.preempt import REQUEUE_EXIT_CODE, read_preempted, release_early_signals
@@ -147,11 +147,13 @@ def launch_into(cfg: DictConfig, run_dir: Path) -> None:
     nodes = cfg.launcher.name == "local" and str(cfg.launcher.get("nnodes", 1)) != "1"
     active = None if nodes else active_job(run_dir)  # before the lock: a queued job that starts meanwhile takes it
     if active:
+        show_held()  # (Hydra's "#0 : ..." line of a sweep, which its checks would have shown)
         print(job_goes_on(run_dir, active), flush=True)
         return
     with nullcontext() if nodes else launch_lock(run_dir) as holder:
         if holder:  # its checkpoints change as we look: check nothing, write nothing
             if HydraConfig.get().mode == RunMode.MULTIRUN:  # two runs of one sweep's command share its points
+                show_held()
                 print(f"run dir {run_dir}: a launch ({holder}) runs this point; going on with the next", flush=True)
                 return
             what = ("the last run of this same command: wait for it to end, or give hydra.run.dir=<a new dir> to train "

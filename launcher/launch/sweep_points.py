@@ -5,10 +5,13 @@ Hydra's basic launcher runs a local sweep's points one after the other, and each
 into a real sweep. Hydra composes every point up front (its keys); the launcher's own checks (the plan, the
 optimizer's values, the job's inputs) now run for every point at the first one, and a refused point stops the
 sweep before any trained. (A Slurm sweep was whole already: its points are submitted once all are checked.)
-Exercised by: tests/test_cli.py.
+Hydra's launcher says "Launching N jobs locally" and "#0 : <overrides>" before point 0's task runs those checks;
+a refused sweep then read as if point 0 had started. Its first line says "Checking" instead, and the "#0" line is
+held back until the checks pass. Exercised by: tests/test_cli.py.
 """
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any, Callable
 
@@ -23,16 +26,20 @@ from omegaconf import DictConfig, OmegaConf
 from launcher.derived import ConfigError
 
 POINTS: list[list[str]] = []  # this -m launch's points, each its overrides, in the order Hydra runs them
+HELD: list[tuple[logging.Handler, logging.LogRecord]] = []  # Hydra's "#0 : ..." line, until the points pass
+LOGGER = "hydra._internal.core_plugins.basic_launcher"
 
 
-class SweepPoints(Callback):
+class SweepPoints(Callback, logging.Filter):
     """Notes the points of a -m launch as Hydra's basic sweeper makes them: its params, then the command's overrides,
-    each sweep a product."""
+    each sweep a product; and, for a local sweep of several, words Hydra's launcher's lines as what happens."""
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         from hydra._internal.core_plugins.basic_sweeper import BasicSweeper  # (its own expansion, not a copy)
 
         POINTS.clear()
+        HELD.clear()
+        self.holding = False
         if not str(config.hydra.sweeper.get("_target_", "")).endswith(".BasicSweeper"):  # another sweeper's own way
             return
         params = config.hydra.sweeper.get("params")
@@ -44,6 +51,28 @@ class SweepPoints(Callback):
         except Exception:  # noqa: BLE001
             batches = []
         POINTS.extend(list(point) for batch in batches for point in batch)
+        if len(POINTS) > 1:  # (launcher=slurm's first line: slurm_submit.ArrayWords)
+            self.holding = True
+            self.local = config.launcher.name != "slurm"
+            logging.getLogger(LOGGER).addFilter(self)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        said = record.getMessage()
+        if self.local and said.startswith("Launching ") and said.endswith(" jobs locally"):
+            points = said.removeprefix("Launching ").removesuffix(" jobs locally")
+            record.msg, record.args = f"Checking {points} sweep points, then running them here one after the other", ()
+        if self.holding and said.startswith("\t#0 : "):  # shown by the handlers of now (Hydra's), once checked
+            self.holding = False
+            HELD.extend((handler, record) for handler in logging.getLogger().handlers)
+            return False
+        return True
+
+
+def show_held() -> None:
+    """Hydra's "#0 : <overrides>" line, once the sweep's points passed their checks."""
+    for handler, record in HELD:
+        handler.handle(record)
+    HELD.clear()
 
 
 def check_every_point(check: Callable[[DictConfig, Path, list[str]], None]) -> None:
@@ -53,6 +82,7 @@ def check_every_point(check: Callable[[DictConfig, Path, list[str]], None]) -> N
     if hydra.mode != RunMode.MULTIRUN or hydra.job.num != 0 or len(POINTS) < 2:
         return
     if str(hydra.sweep.subdir) != "0":  # a subdir of the user's own: the points' run dirs are not <sweep dir>/<num>
+        show_held()
         return
     shared = set.intersection(*(set(point) for point in POINTS))  # a point is named by what it sweeps
     for num, point in enumerate(POINTS):
@@ -60,5 +90,7 @@ def check_every_point(check: Callable[[DictConfig, Path, list[str]], None]) -> N
             check(compose(config_name=hydra.job.config_name, overrides=point), Path(hydra.sweep.dir) / str(num), point)
         except ConfigError as err:
             swept = " ".join(override for override in point if override not in shared)
+            HELD.clear()
             raise ConfigError(f"sweep point #{num} ({swept}): {err}; no point of the sweep ran (fix that value, or "
                               f"leave it out of the sweep)") from None
+    show_held()
