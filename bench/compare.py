@@ -39,14 +39,20 @@ def per_step(stamps: list[float], log_every: int = LOG_EVERY) -> float:
 
 
 def launch(overrides: list[str], run_dir: Path, stop_at: int | None = None,
-           env: dict[str, str] | None = None) -> dict:
+           env: dict[str, str] | None = None, deadline_s: float = 900) -> dict:
     """`python -m launcher +exp=bench <overrides>` in run_dir to its end, or with stop_at a Ctrl-C once that step is
     logged (it saves a checkpoint, exit 75). Its output; its logged steps (`records`) and the median samples/s of
     the intervals after the first (compile, warm-up); with stop_at the seconds to its first log; after a whole run
-    its summary and the seconds to its first step."""
+    its summary and the seconds to its first step. Past `deadline_s` it is killed, and the bench exits with its
+    output."""
     began = time.time()
-    proc = subprocess.Popen([sys.executable, "-m", "launcher", "+exp=bench", *overrides, f"hydra.run.dir={run_dir}"],
-                            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    # Its output to a file, read at the end: a pipe nobody reads while the loop below waits for a step fills up
+    # (64 KiB of compile warnings), the launcher blocks in a print, and the step never comes
+    output = run_dir.with_name(run_dir.name + ".out")
+    run_dir.parent.mkdir(parents=True, exist_ok=True)
+    with open(output, "w") as sink:
+        proc = subprocess.Popen([sys.executable, "-m", "launcher", "+exp=bench", *overrides,
+                                 f"hydra.run.dir={run_dir}"], cwd=REPO, env=env, stdout=sink, stderr=subprocess.STDOUT)
     first_log, metrics = None, run_dir / "metrics.jsonl"
     while stop_at is not None and proc.poll() is None:
         lines = metrics.read_text().splitlines() if metrics.exists() else []
@@ -55,8 +61,16 @@ def launch(overrides: list[str], run_dir: Path, stop_at: int | None = None,
         if steps and max(steps) >= stop_at:
             proc.send_signal(signal.SIGINT)
             break
+        if time.time() - began > deadline_s:  # (a device call's time is short: say what it printed, not hang)
+            proc.kill()
+            break
         time.sleep(0.1)
-    out, _ = proc.communicate()
+    try:
+        proc.wait(timeout=max(deadline_s - (time.time() - began), 60))
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+    out = output.read_text(errors="replace")
     if proc.returncode not in (0, 75):
         sys.exit(f"the launcher failed ({proc.returncode}):\n{out[-4000:]}")
     records = [json.loads(line) for line in metrics.read_text().splitlines()]

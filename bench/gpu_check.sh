@@ -28,6 +28,8 @@
 # yet timed there: about 7 minutes by the runs above; name fewer variants to be sure of a call's 10 minutes). A machine goes back 30 s after a call returns:
 # send the next call at once. Never `pkill -f <word>` in a call: the call's own shell matches its words.
 # Only 8 files come back from $OUT (16 MiB each): a part writes at most 5 there, so two parts fit one call.
+# A lease is 15 minutes of device time in all (2026-12), start-up and idle included: first `gpu -n 8` alone
+# (timeout_s about 480; five fsdp cases joined it since the 200 s above), then one bench part if time is left.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 parts="prepare|setup|gpu|suite|bert|bench|defaults|memory|host|fsdp|scope|profile"
