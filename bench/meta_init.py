@@ -45,9 +45,11 @@ def peak_rss_mb(pid: int) -> tuple[int | None, float]:
 
 
 def run(run_dir: Path, ranks: int, variant: str) -> dict:
-    launcher = subprocess.Popen([sys.executable, "-m", "launcher", *COMMON, f"launcher.nproc_per_node={ranks}",
-                                 variant, f"hydra.run.dir={run_dir}"], cwd=REPO, stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, text=True)
+    output = run_dir.with_name(run_dir.name + ".out")  # (a pipe read only at the end could fill and block it)
+    run_dir.parent.mkdir(parents=True, exist_ok=True)
+    with open(output, "w") as sink:
+        launcher = subprocess.Popen([sys.executable, "-m", "launcher", *COMMON, f"launcher.nproc_per_node={ranks}",
+                                     variant, f"hydra.run.dir={run_dir}"], cwd=REPO, stdout=sink, stderr=subprocess.STDOUT)
     peaks: dict[int, float] = {}
     built: list[float] | None = None
     while launcher.poll() is None:  # VmHWM only grows: its last reading before the exit is the peak
@@ -61,7 +63,7 @@ def run(run_dir: Path, ranks: int, variant: str) -> dict:
             built = [peaks[r] for r in sorted(peaks)]  # the workers' line after the build (read within 50 ms)
         time.sleep(0.05)
     if launcher.returncode:
-        sys.exit(launcher.stdout.read()[-3000:])
+        sys.exit(output.read_text(errors="replace")[-3000:])
     seconds = [float(s) for s in re.findall(r"\((\d+\.\d)s after the launch\)", (run_dir / "launcher.log").read_text())]
     return {"built": built, "peaks": [peaks[r] for r in sorted(peaks)], "start_s": seconds[1] - seconds[0]}
 
