@@ -283,8 +283,9 @@ def build_and_train(cfg: DictConfig, path: Path, env: launcher_dist.DistEnv, sto
 if __name__ == "__main__":
     try:
         main(sys.argv[1])
-    except ValueError as error:
-        one_line = getattr(error, "one_line", None)  # a failure to build the job (launcher/train/job.py)
+    except Exception as error:
+        # a failure to build the job (launcher/train/job.py), a ConfigError, a run that diverged (train/ledger.py)
+        one_line = getattr(error, "one_line", None)
         if one_line is None:
             raise
         if not one_line and os.environ.get("RANK") == "0":  # a fault in the job's code: where, once (every rank
