@@ -37,7 +37,7 @@ from launcher.launch.run_log import kept_in
 from launcher.launch.shadowed_config import check_shadowed_configs, chosen_configs
 from launcher.launch.slurm_jobs import active_job, job_goes_on
 from launcher.launch.slurm_submit import dependency, queue
-from launcher.launch.sweep_points import check_every_point, show_held
+from launcher.launch.sweep_points import check_every_point, goes_on_after, show_held
 from launcher.launch.target_check import check_targets, job_files
 from launcher.launch.tracker_start import hydra_point, mark_failed, start_trackers
 from launcher.preempt import REQUEUE_EXIT_CODE, read_preempted, release_early_signals
@@ -266,5 +266,5 @@ def launch(cfg: DictConfig, run_dir: Path) -> None:
         mark_failed(run_dir, config, 128 + stop["signal"])
     elif code and code != REQUEUE_EXIT_CODE:
         mark_failed(run_dir, config, code)
-    if code:
+    if code and not (code != REQUEUE_EXIT_CODE and goes_on_after(run_dir)):  # a stop ends a sweep, a failure not
         sys.exit(code)

@@ -7,7 +7,9 @@ optimizer's values, the job's inputs) now run for every point at the first one, 
 sweep before any trained. (A Slurm sweep was whole already: its points are submitted once all are checked.)
 Hydra's launcher says "Launching N jobs locally" and "#0 : <overrides>" before point 0's task runs those checks;
 a refused sweep then read as if point 0 had started. Its first line says "Checking" instead, and the "#0" line is
-held back until the checks pass. Exercised by: tests/test_cli.py.
+held back until the checks pass. A point that fails as it trains does not end a local sweep (it ended it, with the
+points after it never run and nothing said of them): the sweep goes on, and its end names the failed points. A stop
+(Ctrl-C, a preemption) still ends it. Exercised by: tests/test_cli.py, tests/test_sweep_failures.py.
 """
 from __future__ import annotations
 
@@ -27,6 +29,7 @@ from launcher.derived import ConfigError
 
 POINTS: list[list[str]] = []  # this -m launch's points, each its overrides, in the order Hydra runs them
 HELD: list[tuple[logging.Handler, logging.LogRecord]] = []  # Hydra's "#0 : ..." line, until the points pass
+FAILED: list[tuple[str, str]] = []  # this local sweep's points that failed as they trained: (in words, the sweep dir)
 LOGGER = "hydra._internal.core_plugins.basic_launcher"
 
 
@@ -39,6 +42,7 @@ class SweepPoints(Callback, logging.Filter):
 
         POINTS.clear()
         HELD.clear()
+        FAILED.clear()
         self.holding = False
         if not str(config.hydra.sweeper.get("_target_", "")).endswith(".BasicSweeper"):  # another sweeper's own way
             return
@@ -84,13 +88,39 @@ def check_every_point(check: Callable[[DictConfig, Path, list[str]], None]) -> N
     if str(hydra.sweep.subdir) != "0":  # a subdir of the user's own: the points' run dirs are not <sweep dir>/<num>
         show_held()
         return
-    shared = set.intersection(*(set(point) for point in POINTS))  # a point is named by what it sweeps
     for num, point in enumerate(POINTS):
         try:
             check(compose(config_name=hydra.job.config_name, overrides=point), Path(hydra.sweep.dir) / str(num), point)
         except ConfigError as err:
-            swept = " ".join(override for override in point if override not in shared)
             HELD.clear()
-            raise ConfigError(f"sweep point #{num} ({swept}): {err}; no point of the sweep ran (fix that value, or "
-                              f"leave it out of the sweep)") from None
+            raise ConfigError(f"sweep point #{num} ({_swept(num)}): {err}; no point of the sweep ran (fix that value, "
+                              f"or leave it out of the sweep)") from None
     show_held()
+
+
+def _swept(num: int) -> str:
+    """Point `num`'s overrides that the sweep's points do not share: what names it (what it sweeps)."""
+    shared = set.intersection(*(set(point) for point in POINTS))
+    return " ".join(override for override in POINTS[num] if override not in shared)
+
+
+def goes_on_after(run_dir: Path) -> bool:
+    """Whether a local sweep goes on to its next point after this one's workers failed (their line said why): in a -m
+    launch, noted for the sweep's end. Else (a single run) the launch exits with the workers' code."""
+    hydra = HydraConfig.get()
+    if hydra.mode != RunMode.MULTIRUN:
+        return False
+    num = hydra.job.num
+    named = f" ({_swept(num)})" if len(POINTS) > 1 and num < len(POINTS) else ""
+    FAILED.append((f"#{num}{named}, run dir {run_dir}", str(Path(hydra.sweep.dir).absolute())))
+    return True
+
+
+def failed_points_line() -> str | None:
+    """At the end of a local sweep whose points all ran: the one line naming those that failed, or None."""
+    if not FAILED:
+        return None
+    of = f" of {len(POINTS)}" if POINTS else ""
+    return (f"error: {len(FAILED)}{of} sweep points failed: {'; '.join(said for said, _ in FAILED)}; the others ran to "
+            f"their end (the sweep's command with hydra.sweep.dir={FAILED[0][1]} runs the failed points again and skips "
+            f"the finished)")
