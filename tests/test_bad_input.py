@@ -43,6 +43,12 @@ CASES = {  # name: (overrides, or a function of tmp_path giving them; what the l
     "indivisible batch": (["+exp=toy", "train.global_batch_size=30"],
                           "train.global_batch_size=30 is not divisible by train.micro_batch_size=8"),
     "negative steps": (["+exp=toy", "train.max_steps=-1"], "train.max_steps=-1 must be >= 0"),
+    "lr decaying below zero": (["+exp=toy", "scheduler=linear", "scheduler.min_lr_ratio=-1"],
+                               "scheduler.min_lr_ratio=-1.0 is not in 0..1 (the final lr is optimizer.lr times it)"),
+    "lr decaying upwards": (["+exp=toy", "scheduler=cosine", "scheduler.min_lr_ratio=2"],
+                            "scheduler.min_lr_ratio=2.0 is not in 0..1"),
+    "a float for an integer": (["+exp=toy", "train.global_batch_size=32.0"],
+                               "train.global_batch_size=32.0 is not an integer: write train.global_batch_size=32"),
     "seed out of range": (["+exp=toy", "train.seed=4294967296"], "train.seed=4294967296 is not in 0..4294967295"),
     "zero micro batch": (["+exp=toy", "train.micro_batch_size=0"],
                          "train.micro_batch_size=0 is neither a positive integer nor auto"),
@@ -117,7 +123,8 @@ CASES = {  # name: (overrides, or a function of tmp_path giving them; what the l
                                      "launcher.device=cuda but launcher.gpus_per_node=0"),
     "cpu plan asking slurm for gpus": (["+exp=toy", "launcher=slurm", "launcher.device=cpu", "launcher.gpus_per_node=8"],
                                        "launcher.device=cpu but launcher.gpus_per_node=8"),
-    "max_length zero": (["+exp=bert", "data.max_length=0"], "data.max_length=0 must be > 0"),
+    "max_length zero": (["+exp=bert", "data.max_length=0"], "data.max_length=0 is not a whole number > 0"),
+    "max_length not a number": (["+exp=bert", "data.max_length=abc"], "data.max_length=abc is not a whole number > 0"),
     "dropout over one": (["+exp=bert", "model.dropout=1.5"], "model.dropout=1.5 must be a probability in [0, 1)"),
     "padding to zero tokens": (["+exp=bert_mlm", "data.pad_to_multiple_of=0"],
                                "data.pad_to_multiple_of=0 is not a positive number of tokens; use null"),
@@ -174,7 +181,7 @@ CASES = {  # name: (overrides, or a function of tmp_path giving them; what the l
 THROUGH_THE_CLI = {"unknown key", "unknown key of an untyped group", "unknown group option", "unknown exp",
                    "unknown logger", "wrong type", "unknown device", "run dir cannot be made", "indivisible batch",
                    "missing data path", "slurm after a run never submitted", "unreadable run dir",
-                   "unknown option"}
+                   "unknown option", "a float for an integer"}
 assert THROUGH_THE_CLI <= CASES.keys()  # a misspelt name would quietly drop its CLI run
 
 

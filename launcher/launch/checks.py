@@ -235,7 +235,7 @@ def _check_lengths(max_length: Any, pad: Any, pretrained: Any) -> None:
     if max_length is None:
         return
     if not isinstance(max_length, int) or max_length <= 0:
-        raise ConfigError(f"data.max_length={max_length} must be > 0 (tokens kept per sample)")
+        raise ConfigError(f"data.max_length={max_length} is not a whole number > 0 (tokens kept per sample)")
     model_config = Path(pretrained) / "config.json" if isinstance(pretrained, str) else None
     if model_config is None or not model_config.is_file():  # a hub id: checked when the model loads
         return

@@ -123,6 +123,8 @@ def _type_hint(message: str) -> str:
     from omegaconf import OmegaConf
 
     key, value, kind = bad.groups()
+    if kind == "Integer" and re.fullmatch(r"[+-]?\d+\.0*", value):  # (32.0: a whole number, but no integer to Hydra)
+        return f"{key}={value} is not an integer: write {key}={int(float(value))}"
     takes = {"Integer": "a whole number", "Float": "a number"}[kind]
     unit = next((f" of {word}" for end, word in UNITS.items() if key.endswith(end)), "")
     cfg = _composed_without(key)

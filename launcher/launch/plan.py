@@ -170,11 +170,10 @@ def local_nodes(cfg: DictConfig) -> tuple[int, int]:
 
 def make_plan(cfg: DictConfig) -> Plan:
     """Check the config against where it will run and derive the plan, or raise ConfigError."""
-    _require_positive(cfg, "train.global_batch_size", "train.max_micro_batch_size",
-                      "train.log_every", "launcher.nproc_per_node", "dist.timeout_s", "dist.hang_timeout_s",
-                      "dist.startup_timeout_s", "dist.checkpoint_timeout_s", "train.straggler_ratio", "optimizer.lr",
-                      "train.max_grad_norm")
-    _require_positive(cfg, "train.keep_checkpoints", "train.max_bad_steps", "launcher.shutdown_timeout_s",
+    _require_positive(cfg, "train.global_batch_size", "train.max_micro_batch_size", "train.log_every",
+                      "launcher.nproc_per_node", "dist.timeout_s", "dist.hang_timeout_s", "dist.startup_timeout_s",
+                      "dist.checkpoint_timeout_s", "train.straggler_ratio", "optimizer.lr", "train.max_grad_norm",
+                      "train.keep_checkpoints", "train.max_bad_steps", "launcher.shutdown_timeout_s",
                       "train.prefetch_factor")
     workers = cfg.train.num_workers
     if workers != "auto" and (isinstance(workers, bool) or not isinstance(workers, int) or workers < 0):
@@ -183,6 +182,9 @@ def make_plan(cfg: DictConfig) -> Plan:
                 "launcher.max_restarts"):  # train.max_steps=0: evaluate model.pretrained, train nothing
         if OmegaConf.select(cfg, key) < 0:
             raise ConfigError(f"{key}={OmegaConf.select(cfg, key)} must be >= 0")
+    if not 0 <= cfg.scheduler.min_lr_ratio <= 1:  # below 0 the decayed lr turns negative: training goes backwards
+        raise ConfigError(f"scheduler.min_lr_ratio={cfg.scheduler.min_lr_ratio} is not in 0..1 (the final lr is "
+                          f"optimizer.lr times it); e.g. 0.1, or 0 to decay to zero")
     if not 0 <= cfg.train.seed < 2**32:  # numpy's range, and the ranks' seeds (data.rank_seed) fit torch's 64 bits
         raise ConfigError(f"train.seed={cfg.train.seed} is not in 0..{2**32 - 1}; pick a seed in that range")
     if signal_named(cfg.launcher.signal) in (None, signal.SIGKILL, signal.SIGSTOP):
