@@ -123,6 +123,9 @@ CASES = {  # name: (overrides, or a function of tmp_path giving them; what the l
                                      "launcher.device=cuda but launcher.gpus_per_node=0"),
     "cpu plan asking slurm for gpus": (["+exp=toy", "launcher=slurm", "launcher.device=cpu", "launcher.gpus_per_node=8"],
                                        "launcher.device=cpu but launcher.gpus_per_node=8"),
+    "no torch dtype": (["+exp=bert", "model.dtype=float17"],
+                       "model.dtype=float17 is not a torch dtype; e.g. float32, bfloat16 or float16"),
+    "no torch dtype of the data": (["+exp=toy", "data.dtype=nope"], "data.dtype=nope is not a torch dtype"),
     "max_length zero": (["+exp=bert", "data.max_length=0"], "data.max_length=0 is not a whole number > 0"),
     "max_length not a number": (["+exp=bert", "data.max_length=abc"], "data.max_length=abc is not a whole number > 0"),
     "dropout over one": (["+exp=bert", "model.dropout=1.5"], "model.dropout=1.5 must be a probability in [0, 1)"),
@@ -237,8 +240,8 @@ def test_cuda_plan_without_a_gpu_is_one_line(tmp_path: Path) -> None:
 # parent refuses them (tests/test_known_keys.py, tests/test_own_job.py)
 @pytest.mark.parametrize("override, expected", [
     ("~model.hidden", "model._target_=jobs.toy.MLP failed: TypeError: MLP() missing 1 required positional argument"),
-    ("data.dtype=nope", "data._target_=jobs.toy.ToyRegression failed: AttributeError: module 'torch' has no attribute "
-                        "'nope'")], ids=["model argument", "fault in the job"])
+    ("data.in_features=-1", "data._target_=jobs.toy.ToyRegression failed: RuntimeError: Trying to create tensor with "
+                            "negative dimension -1")], ids=["model argument", "fault in the job"])
 def test_what_only_the_job_can_tell_is_one_line_from_the_workers(tmp_path: Path, override: str, expected: str) -> None:
     """Hydra's error ends in `full_key: data`, which was all of the launcher's line. Above it every rank printed
     its traceback (about 100 lines for 2 ranks), which for a config mistake says nothing more; a fault in the
@@ -247,7 +250,7 @@ def test_what_only_the_job_can_tell_is_one_line_from_the_workers(tmp_path: Path,
     assert out.returncode == 1
     line = out.stderr.strip().splitlines()[-1]
     assert line.startswith("error: rank ") and f"failed: ValueError: {expected}" in line, line
-    if override == "data.dtype=nope":  # one traceback, through the job's line
+    if override == "data.in_features=-1":  # one traceback, through the job's line
         assert out.stderr.count('jobs/toy.py", line') == 1, out.stderr
     else:  # nor torchrun's lines on the failed rank (the SIGTERM it sent the other, its exit code and binary)
         assert out.stderr.strip().splitlines() == [line], out.stderr

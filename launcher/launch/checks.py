@@ -1,7 +1,7 @@
 """Checks of common job conventions, in the parent before any worker starts: local files that exist, hold rows
 and the named columns (one text or a pair), a classifier's labels (label_checks.py), lengths within the model's
-positions, model ids that can load offline, run dirs named as a pretrained model that have a checkpoint to start
-from. By key name only: launcher/ never imports jobs/.
+positions, dtypes torch has, model ids that can load offline, run dirs named as a pretrained model that have a
+checkpoint to start from. By key name only: launcher/ never imports jobs/.
 
 Exercised by: `python -m launcher +exp=bert data=files data.path=missing.csv` (one-line error, exit 2).
 """
@@ -14,6 +14,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+import torch
 from omegaconf import OmegaConf
 
 from launcher.derived import CHECKPOINTING_KEY, ConfigError
@@ -29,6 +30,7 @@ COLUMN_KEYS = ("text_fields", "label_field", "text_field")  # columns a tabular 
 TEXT_FIELDS_KEY = "text_fields"  # columns tokenized together: a text, or a pair (a tokenizer takes no third)
 LENGTH_KEY = "max_length"  # tokens per sample a text job keeps (data.max_length)
 DROPOUT_KEY = "dropout"  # a probability that overrides the model's (model.dropout)
+DTYPE_KEY = "dtype"  # the name of a torch dtype the job makes its tensors in (model.dtype: float32, bfloat16)
 # tokens a text job's batches are padded to a multiple of (data.pad_to_multiple_of; null: each batch's longest)
 PAD_KEY = "pad_to_multiple_of"
 # model_types whose position ids start after the padding id (RoBERTa's create_position_ids_from_input_ids): of
@@ -147,6 +149,11 @@ def check_job_inputs(config: dict[str, Any], pinned: dict[str, dict[str, str]]) 
     probability = isinstance(dropout, (int, float)) and not isinstance(dropout, bool) and 0 <= dropout < 1
     if dropout is not None and not probability:
         raise ConfigError(f"model.dropout={dropout} must be a probability in [0, 1); null keeps the model's own")
+    for group in ("data", "model"):  # model.dtype=float17 failed on every rank, after the model had loaded (data first:
+        # the toy's model.dtype is ${data.dtype})
+        dtype = (config.get(group) or {}).get(DTYPE_KEY)
+        if isinstance(dtype, str) and dtype != "auto" and not isinstance(getattr(torch, dtype, None), torch.dtype):
+            raise ConfigError(f"{group}.{DTYPE_KEY}={dtype} is not a torch dtype; e.g. float32, bfloat16 or float16")
     checkpointing = (config.get("model") or {}).get(CHECKPOINTING_KEY)
     if checkpointing is not None and not isinstance(checkpointing, bool):
         raise ConfigError(f"model.{CHECKPOINTING_KEY}={checkpointing} must be true or false")
