@@ -61,7 +61,8 @@ def stop_line(record: dict[str, int], run_dir: Path, sweep_dir: Path | None = No
     name = signal.Signals(record["signal"]).name if record["signal"] else "a signal to another rank"
     how = "stopped" if record["signal"] == signal.SIGINT else "preempted"
     relaunch = (f"relaunch the sweep's command with hydra.sweep.dir={sweep_dir} (its finished points are skipped) to"
-                if sweep_dir else f"relaunch the same command with hydra.run.dir={run_dir} to")
+                if sweep_dir else  # (a command without hydra.run.dir continues its unfinished run: continue_run.py)
+                f"run the same command again (it continues in {run_dir}; or add hydra.run.dir={run_dir}) to")
     if record.get("saved", True):
         return f"{how} by {name}: checkpoint saved at step {step}; {relaunch} resume (exit code {REQUEUE_EXIT_CODE})"
     when = ("before the workers started" if not record.get("started", True) else

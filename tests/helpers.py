@@ -124,7 +124,8 @@ def preempt(run_dir: Path, sig: signal.Signals, *extra: str, env: dict[str, str]
     out = finish(proc, REQUEUE_EXIT_CODE)
     step = json.loads((run_dir / "preempted.json").read_text())["step"]
     assert (run_dir / "checkpoints" / str(step) / "COMPLETE").exists()
-    assert f"by {sig.name}: checkpoint saved at step {step}; relaunch the same command with hydra.run.dir={run_dir}" in out
+    assert (f"by {sig.name}: checkpoint saved at step {step}; run the same command again (it continues in {run_dir}; or "
+            f"add hydra.run.dir={run_dir}) to resume (exit code 75)") in out
     return step
 
 

@@ -40,8 +40,9 @@ def test_a_preemption_whose_checkpoint_never_came_still_exits_with_the_requeue_c
     proc.send_signal(signal.SIGTERM)
     out = finish(proc, REQUEUE_EXIT_CODE)
     assert (f"preempted by SIGTERM before the workers saved a checkpoint (stopped while they started, stopped a "
-            f"second time, or their save failed or took longer than launcher.shutdown_timeout_s); relaunch the "
-            f"same command with hydra.run.dir={run_dir} to resume from step 1 (exit code 75)") in out
+            f"second time, or their save failed or took longer than launcher.shutdown_timeout_s); run the same "
+            f"command again (it continues in {run_dir}; or add hydra.run.dir={run_dir}) to resume from step 1 (exit "
+            f"code 75)") in out
     assert json.loads((run_dir / "preempted.json").read_text()) == {"step": 1, "signal": 15, "saved": False,
                                                                     "started": True}
     resumed = finish(start(run_dir, "data.sleep_s=0", "train.ckpt_every=1", "train.max_steps=3",
@@ -113,8 +114,8 @@ def test_a_preemption_before_the_workers_start_exits_with_the_requeue_code(tmp_p
     proc = start(run_dir, "logger=[tensorboard,mlflow]",
                  env=subprocess_env(TERM_ONCE_KEPT="1", PYTHONPATH=f"{shim}:{REPO}"))
     out = finish(proc, REQUEUE_EXIT_CODE)
-    assert (f"preempted by SIGTERM before the workers started; relaunch the same command with hydra.run.dir={run_dir} to start over "
-            f"(exit code 75)") in out
+    assert (f"preempted by SIGTERM before the workers started; run the same command again (it continues in {run_dir}; or add "
+            f"hydra.run.dir={run_dir}) to start over (exit code 75)") in out
     assert json.loads((run_dir / "preempted.json").read_text()) == {"step": 0, "signal": 15, "saved": False,
                                                                     "started": False}
     assert not (run_dir / "metrics.jsonl").exists()
