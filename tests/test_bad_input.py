@@ -39,6 +39,10 @@ CASES = {  # name: (overrides, or a function of tmp_path giving them; what the l
     "unknown exp": (["+exp=nope"], "Available options in 'exp': bench, bert, bert_mlm, toy"),
     "unknown logger": (["+exp=toy", "logger=[mlfow]"], "logger=mlfow is not an option of logger/: mlflow, tensorboard, wandb"),
     "unknown option": (["+exp=toy", "--dry-run"], "unrecognized arguments: --dry-run; python -m launcher --help lists"),
+    "a torchrun flag": (["+exp=toy", "--nproc_per_node", "2"],
+                        "the launcher runs torchrun itself: give launcher.nproc_per_node=<value> (an override, no dashes)"),
+    "an experiment as the primary config": (["--config-name", "bert"],
+                                            "bert is an experiment: python -m launcher +exp=bert"),
     "wrong type": (["+exp=toy", "train.max_steps=abc"], "train.max_steps=abc"),
     "indivisible batch": (["+exp=toy", "train.global_batch_size=30"],
                           "train.global_batch_size=30 is not divisible by train.micro_batch_size=8"),
@@ -184,7 +188,8 @@ CASES = {  # name: (overrides, or a function of tmp_path giving them; what the l
 THROUGH_THE_CLI = {"unknown key", "unknown key of an untyped group", "unknown group option", "unknown exp",
                    "unknown logger", "wrong type", "unknown device", "run dir cannot be made", "indivisible batch",
                    "missing data path", "slurm after a run never submitted", "unreadable run dir",
-                   "unknown option", "a float for an integer"}
+                   "unknown option", "a float for an integer",
+                   "a torchrun flag", "an experiment as the primary config"}
 assert THROUGH_THE_CLI <= CASES.keys()  # a misspelt name would quietly drop its CLI run
 
 

@@ -59,7 +59,7 @@ def condense(text: str) -> str:
         message += ": " + ", ".join(options)
     if "mkdir" in text and "Error" in message:  # Hydra creates the run dir before our code runs
         message = f"hydra.run.dir (or hydra.sweep.dir) cannot be created: {message}"
-    message = _argparse_hint(_group_hint(_type_hint(message)))
+    message = _primary_hint(_argparse_hint(_group_hint(_type_hint(message))))
     unknown = re.search(r"Key '([^']+)' not in '(\w+)'", message)
     if unknown and object_type:
         valid = _schema_fields(object_type)
@@ -138,7 +138,21 @@ def _argparse_hint(message: str) -> str:
     if not message.startswith("usage:") or ": error: " not in message:
         return message
     refused = message.split(": error: ", 1)[1]
-    return f"{refused}; python -m launcher --help lists the options" if "unrecognized" in refused else refused
+    if "unrecognized" not in refused:
+        return refused
+    flag = re.search(r"--(nproc[_-]per[_-]node|nnodes|node[_-]rank|rdzv[_-]endpoint|max[_-]restarts)\b", refused)
+    if flag:  # torchrun's, typed as one would to torchrun: the launcher runs torchrun itself, from its launcher keys
+        key = f"launcher.{flag.group(1).replace('-', '_')}"
+        return f"{refused}; the launcher runs torchrun itself: give {key}=<value> (an override, no dashes)"
+    return f"{refused}; python -m launcher --help lists the options"
+
+
+def _primary_hint(message: str) -> str:
+    """--config-name bert: an experiment named as the primary config, which is conf/config.yaml's."""
+    named = re.search(r"Cannot find primary config '([^']+)'", message)
+    if named and (CONF_DIR / "exp" / f"{named.group(1)}.yaml").is_file():
+        return f"{message}; {named.group(1)} is an experiment: python -m launcher +exp={named.group(1)}"
+    return message
 
 
 def _group_hint(message: str) -> str:
