@@ -244,9 +244,10 @@ def test_slurm_dependency_and_after_reach_sbatch(tmp_path: Path) -> None:
                                                "requeue": True}  # see test_slurm.py: the test cluster has JobRequeue=0
 
 
-def test_a_command_without_an_experiment_or_with_more_workers_than_cores_says_so(tmp_path: Path) -> None:
+def test_no_experiment_more_workers_than_cores_or_a_warmup_past_the_end_is_said(tmp_path: Path) -> None:
     """`python -m launcher` alone trained conf/config.yaml's toy MLP without a word, and 64 CPU workers on 2 cores
-    were taken as asked (dry runs: the checks and notes of a launch, no worker)."""
+    were taken as asked, and a warmup longer than the run never reached optimizer.lr, in silence (dry runs: the
+    checks and notes of a launch, no worker)."""
     out = run_cli("launcher.dry_run=true", f"hydra.run.dir={tmp_path / 'bare'}", cwd=tmp_path)
     assert out.returncode == 0 and out.stderr.strip() == ("note: no +exp=<name>: training the defaults (model=mlp, "
                                                           "data=toy); the experiments are bench, bert, bert_mlm, toy")
@@ -256,3 +257,11 @@ def test_a_command_without_an_experiment_or_with_more_workers_than_cores_says_so
     assert out.returncode == 0 and out.stderr.strip() == (
         f"warning: {many} CPU workers on {many - 1} cores take turns on them; launcher.nproc_per_node={many - 1} or "
         f"fewer trains the same steps faster"), out.stderr
+    out = run_cli("+exp=toy", "scheduler.warmup_steps=40", "train.max_steps=10", "launcher.dry_run=true",
+                  f"hydra.run.dir={tmp_path / 'warm'}", cwd=tmp_path)  # (a warmup as long as the run reaches the lr)
+    assert out.returncode == 0 and out.stderr.strip() == (
+        "warning: scheduler.warmup_steps=40 > train.max_steps=10: the learning rate warms up for the whole run and "
+        "reaches 0.25 of optimizer.lr at its end"), out.stderr
+    out = run_cli("+exp=toy", "scheduler.warmup_steps=10", "train.max_steps=10", "launcher.dry_run=true",
+                  f"hydra.run.dir={tmp_path / 'reached'}", cwd=tmp_path)
+    assert out.returncode == 0 and out.stderr.strip() == "", out.stderr

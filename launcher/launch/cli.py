@@ -195,9 +195,14 @@ def check_inputs(config: dict, run_dir: Path) -> None:
 
 def notes_before_the_start(plan: Plan, config: dict) -> list[str]:
     """What a local launch says before its workers start: a precision this CPU emulates, an optimizer step that waits
-    for the GPU, more CPU workers than cores (a step waits for the slowest), and a command that names no experiment."""
+    for the GPU, more CPU workers than cores (a step waits for the slowest), a warmup as long as the run, and a command
+    that names no experiment."""
     notes = [slow_precision_warning(config["precision"]["name"])
              if plan.device_type == "cpu" and config["precision"]["name"] in ("bf16", "fp16") else None]
+    warmup, steps = config["scheduler"]["warmup_steps"], config["train"]["max_steps"]
+    if 0 < steps < warmup:  # (scheduler.lr_factor: step s of the warmup is (s + 1) / warmup_steps of the lr)
+        notes.append(f"warning: scheduler.warmup_steps={warmup} > train.max_steps={steps}: the learning rate warms up "
+                     f"for the whole run and reaches {steps / warmup:.2g} of optimizer.lr at its end")
     if plan.device_type == "cuda":
         notes.append(unfused_step_note(config["optimizer"], config["strategy"]["name"]))
     cores = usable_cores()
