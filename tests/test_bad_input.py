@@ -1,21 +1,19 @@
 """Every user mistake: exit 2 before any worker starts, ONE line naming the key and what would be valid,
 no traceback, no half-made run dir (issue 6). What only the job's own code can tell (an argument its target
-does not take, a task without a part the launcher calls) stops the workers before the first step: one line too."""
+does not take, a task without a part the launcher calls) stops the workers before the first step: one line too
+(tests/test_bad_input_in_the_workers.py)."""
 from __future__ import annotations
 
 from pathlib import Path
 
 import pytest
 import torch
-from omegaconf import OmegaConf
 
 from conftest import compose_config, run_cli
-from jobs.toy import ToyRegression
 from launcher.derived import ConfigError
 from launcher.launch.cli import check_inputs, checked_config
 from launcher.launch.resume import finished
 from launcher.launch.slurm_jobs import active_job
-from launcher.train.job import build_part, check_task
 
 
 def make_csv(tmp_path: Path) -> str:
@@ -239,77 +237,3 @@ def test_cuda_plan_without_a_gpu_is_one_line(tmp_path: Path) -> None:
     assert parent_refusal(overrides, tmp_path / "run") == (
         "launcher.device=cuda but this node has no visible GPU (NVML, or torch.cuda.device_count(), says 0); "
         "use launcher.device=auto or launcher.device=cpu")
-
-
-# A key the target does not take (+data.seq_lenn=16) and a target that is not there no longer get this far: the
-# parent refuses them (tests/test_known_keys.py, tests/test_own_job.py)
-@pytest.mark.parametrize("override, expected", [
-    ("~model.hidden", "model._target_=jobs.toy.MLP failed: TypeError: MLP() missing 1 required positional argument"),
-    ("data.in_features=-1", "data._target_=jobs.toy.ToyRegression failed: RuntimeError: Trying to create tensor with "
-                            "negative dimension -1")], ids=["model argument", "fault in the job"])
-def test_what_only_the_job_can_tell_is_one_line_from_the_workers(tmp_path: Path, override: str, expected: str) -> None:
-    """Hydra's error ends in `full_key: data`, which was all of the launcher's line. Above it every rank printed
-    its traceback (about 100 lines for 2 ranks), which for a config mistake says nothing more; a fault in the
-    job's own code keeps it, from rank 0 only: where in the code."""
-    out = run_cli("+exp=toy", override, f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)
-    assert out.returncode == 1
-    line = out.stderr.strip().splitlines()[-1]
-    assert line.startswith("error: rank ") and f"failed: ValueError: {expected}" in line, line
-    if override == "data.in_features=-1":  # one traceback, through the job's line
-        assert out.stderr.count('jobs/toy.py", line') == 1, out.stderr
-    else:  # nor torchrun's lines on the failed rank (the SIGTERM it sent the other, its exit code and binary)
-        assert out.stderr.strip().splitlines() == [line], out.stderr
-
-
-class WithoutEvalSums:
-    """A task whose eval set the launcher would evaluate with parts it does not have."""
-
-    def __init__(self) -> None:
-        toy = ToyRegression(n_samples=64, in_features=4)
-        self.train_set, self.eval_set, self.collate = toy.train_set, toy.eval_set, toy.collate
-        self.count_items, self.loss_sum = toy.count_items, toy.loss_sum
-
-
-def test_a_task_without_a_part_the_launcher_calls_fails_before_the_first_step() -> None:
-    with pytest.raises(ValueError) as error:
-        check_task(WithoutEvalSums(), "my.Task")
-    assert str(error.value) == ("data._target_=my.Task built a WithoutEvalSums without eval_sum_keys, eval_sums, "
-                                "eval_metrics: a task has what launcher/task.py's Task lists (the eval parts only "
-                                "with an eval_set)")
-    task = WithoutEvalSums()
-    task.eval_set = None
-    check_task(task, "my.Task")  # no eval set: no eval parts needed
-
-
-def test_a_slurm_sweep_point_refused_at_launch_leaves_no_point_behind(tmp_path: Path) -> None:
-    """train.micro_batch_size=7 does not divide: the point before it was written and queued, then neither
-    submitted nor removed (its run dir listed by status as a run)."""
-    sweep = tmp_path / "sweep"
-    out = run_cli("-m", "+exp=toy", "launcher=slurm", "train.global_batch_size=16", "train.micro_batch_size=8,7",
-                  f"hydra.sweep.dir={sweep}", cwd=tmp_path)
-    assert out.returncode == 2 and "train.micro_batch_size=7" in out.stderr, out.stderr
-    assert "submitted job" not in out.stdout and not sweep.exists()
-
-
-def raises_a_data_error() -> None:
-    from jobs.text import DataError
-    raise DataError("data.path=x.csv row 3: no label in column 'label' (data.label_field)")
-
-
-def unpacks_wrongly() -> None:
-    first, second = [1, 2, 3]  # noqa: F841  (a fault of the job's own code)
-
-
-@pytest.mark.parametrize("target, one_line", [
-    ("test_bad_input.raises_a_data_error", True), ("jobs.toy.NoSuchTask", True), ("no_such_module.Task", True),
-    ("test_bad_input.unpacks_wrongly", False), ("brokenjob.Task", False)])
-def test_only_a_config_mistake_or_a_message_of_the_job_goes_without_its_traceback(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, target: str, one_line: bool) -> None:
-    """A job's message about its input (an error with a true one_line: jobs.text.DataError) and a target or
-    argument Hydra cannot use are their one line; a fault in the job's code, a ValueError included, or in its
-    module as it is imported (Hydra passes that on as its own ImportError), keeps rank 0's traceback."""
-    (tmp_path / "brokenjob.py").write_text("class Task:\n    pass\n\n\nundefined_name\n")
-    monkeypatch.syspath_prepend(str(tmp_path))
-    with pytest.raises(ValueError) as error:
-        build_part("data", OmegaConf.create({"_target_": target}))
-    assert error.value.one_line is one_line, str(error.value)

@@ -4,7 +4,7 @@ When a rank fails, or Ctrl-C stops a run, the agent logs that it sends the other
 failed with which exit code and binary, and the signal it received: three to five W/E lines between the rank's
 output and the launcher's `error: rank N failed: ...` or `stopped by SIGINT ...` line, which names the rank, its
 error and the run dir. Its other lines stay, and all of them where the agent restarts workers (launcher.max_restarts):
-there they are the record of each restart. Exercised by: tests/test_bad_input.py.
+there they are the record of each restart. Exercised by: tests/test_bad_input_in_the_workers.py.
 """
 from __future__ import annotations
 

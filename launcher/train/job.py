@@ -3,7 +3,7 @@ becomes one line naming the config group, and a task checked for what the launch
 
 Hydra's own error ends in `full_key: data`, and the launcher shows the last line of a rank's error: that line
 alone named neither the target nor what went wrong. Every rank builds the same, so a worker prints no traceback of
-it (rank 0 does, for a fault in the job's own code: `one_line` false). Exercised by: tests/test_bad_input.py.
+it (rank 0 does, for a fault in the job's own code: `one_line` false). Exercised by: tests/test_bad_input_in_the_workers.py.
 """
 from __future__ import annotations
 
