@@ -21,7 +21,7 @@ from launcher.launch.cli import flags_first, main  # noqa: E402
 from launcher.launch.errors import hydra_errors_in_one_line  # noqa: E402
 from launcher.launch.slurm_submit import discard_queued, submit_queued  # noqa: E402
 from launcher.launch.sweep_dir import discard_new_sweep_dir  # noqa: E402
-from launcher.launch.sweep_points import failed_points_line  # noqa: E402
+from launcher.launch.sweep_points import failed_points_code, tell_failed_points  # noqa: E402
 from launcher.launch.tracker_start import end_sweeps  # noqa: E402
 from launcher.process_exit import exit_without_teardown  # noqa: E402
 
@@ -32,13 +32,10 @@ failed = True
 try:
     with hydra_errors_in_one_line():
         main()
-    code = submit_queued()
-    failed_points = failed_points_line()  # a local sweep ran every point; these failed (each said why as it ended)
-    if failed_points:
-        print(failed_points, file=sys.stderr, flush=True)
-        code = code or 1
+    code = submit_queued() or failed_points_code()  # (a local sweep that went on past failed points)
     failed = code != 0
 finally:
+    tell_failed_points()  # (also where a later point's stop or refusal ended the sweep)
     discard_queued()  # a sweep point's error, or sbatch's refusal: nothing half-made of what was not submitted
     if failed:
         discard_new_sweep_dir()  # (Hydra's multirun.yaml, written before a bad override stopped the first point)

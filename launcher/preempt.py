@@ -53,16 +53,18 @@ def read_preempted(run_dir: Path) -> dict[str, int] | None:
     return json.loads(marker.read_text()) if marker.exists() else None
 
 
-def stop_line(record: dict[str, int], run_dir: Path, sweep_dir: Path | None = None) -> str:
+def stop_line(record: dict[str, int], run_dir: Path, sweep_dir: Path | None = None, continues: bool = True) -> str:
     """What the launcher prints when a preemption signal ended its workers (of a point of a local sweep: the sweep's
-    command resumes it, then runs the points after it; hydra.run.dir would resume that point alone)."""
+    command resumes it, then runs the points after it; hydra.run.dir would resume that point alone). `continues`:
+    the same command would continue the run dir (a local launch's; in a Slurm job's log, hydra.run.dir is named)."""
     step = record["step"]
     # 0: this rank was not signalled itself; it stopped with the ranks that were (a signal to one of them)
     name = signal.Signals(record["signal"]).name if record["signal"] else "a signal to another rank"
     how = "stopped" if record["signal"] == signal.SIGINT else "preempted"
     relaunch = (f"relaunch the sweep's command with hydra.sweep.dir={sweep_dir} (its finished points are skipped) to"
                 if sweep_dir else  # (a command without hydra.run.dir continues its unfinished run: continue_run.py)
-                f"run the same command again (it continues in {run_dir}; or add hydra.run.dir={run_dir}) to")
+                f"run the same command again (it continues in {run_dir}; or add hydra.run.dir={run_dir}) to" if continues
+                else f"relaunch with hydra.run.dir={run_dir} to")  # (a Slurm job's point of a sweep, for one)
     if record.get("saved", True):
         return f"{how} by {name}: checkpoint saved at step {step}; {relaunch} resume (exit code {REQUEUE_EXIT_CODE})"
     when = ("before the workers started" if not record.get("started", True) else

@@ -126,8 +126,11 @@ CASES = {  # name: (overrides, or a function of tmp_path giving them; what the l
     "cpu plan asking slurm for gpus": (["+exp=toy", "launcher=slurm", "launcher.device=cpu", "launcher.gpus_per_node=8"],
                                        "launcher.device=cpu but launcher.gpus_per_node=8"),
     "no torch dtype": (["+exp=bert", "model.dtype=float17"],
-                       "model.dtype=float17 is not a torch dtype; e.g. float32, bfloat16 or float16"),
-    "no torch dtype of the data": (["+exp=toy", "data.dtype=nope"], "data.dtype=nope is not a torch dtype"),
+                       "model.dtype=float17 is not the name of a torch dtype; e.g. float32, bfloat16 or float16"),
+    "no torch dtype of the data": (["+exp=toy", "data.dtype=auto"], "data.dtype=auto is not the name of a torch dtype"),
+    "a torch dtype with its module": (["+exp=toy", "model.dtype=torch.float64"],
+                                      "model.dtype=torch.float64 is not the name of a torch dtype; write "
+                                      "model.dtype=float64"),
     "max_length zero": (["+exp=bert", "data.max_length=0"], "data.max_length=0 is not a whole number > 0"),
     "max_length not a number": (["+exp=bert", "data.max_length=abc"], "data.max_length=abc is not a whole number > 0"),
     "dropout over one": (["+exp=bert", "model.dropout=1.5"], "model.dropout=1.5 must be a probability in [0, 1)"),

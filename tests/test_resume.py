@@ -184,8 +184,8 @@ def test_consecutive_non_finite_steps_stop_the_run(tmp_path: Path) -> None:
     # every rank stops at the same agreed step; whichever the agent reports first names the key
     # one line, with the fix: no traceback of the launcher's own code, from any rank (it was 2 x 25 lines)
     assert re.fullmatch(r"error: rank \d failed: RuntimeError: 3 consecutive steps had non-finite gradients "
-                        r"\(train\.max_bad_steps=3\); no checkpoint was written before them; lower optimizer\.lr \(the "
-                        r"learning rate is 0\.001\), look for inf or nan in the data, or raise train\.max_bad_steps "
+                        r"\(train\.max_bad_steps=3\); no checkpoint was written before them; lower optimizer\.lr \(it is "
+                        r"0\.001\), look for inf or nan in the data, or raise train\.max_bad_steps "
                         r"\(run dir \S+\)\n", out.stderr), out.stderr[-2000:]
     assert [m["skipped_steps"] for m in read_metrics(tmp_path / "nan")] == [1, 2]
     assert [m["loss"] for m in read_metrics(tmp_path / "nan")] == [None, None]  # strict JSON: no NaN

@@ -152,8 +152,11 @@ def check_job_inputs(config: dict[str, Any], pinned: dict[str, dict[str, str]]) 
     for group in ("data", "model"):  # model.dtype=float17 failed on every rank, after the model had loaded (data first:
         # the toy's model.dtype is ${data.dtype})
         dtype = (config.get(group) or {}).get(DTYPE_KEY)
-        if isinstance(dtype, str) and dtype != "auto" and not isinstance(getattr(torch, dtype, None), torch.dtype):
-            raise ConfigError(f"{group}.{DTYPE_KEY}={dtype} is not a torch dtype; e.g. float32, bfloat16 or float16")
+        if isinstance(dtype, str) and not isinstance(getattr(torch, dtype, None), torch.dtype):
+            name = dtype.removeprefix("torch.")
+            fix = f"write {group}.{DTYPE_KEY}={name}" if isinstance(getattr(torch, name, None), torch.dtype) else \
+                "e.g. float32, bfloat16 or float16"
+            raise ConfigError(f"{group}.{DTYPE_KEY}={dtype} is not the name of a torch dtype; {fix}")
     checkpointing = (config.get("model") or {}).get(CHECKPOINTING_KEY)
     if checkpointing is not None and not isinstance(checkpointing, bool):
         raise ConfigError(f"model.{CHECKPOINTING_KEY}={checkpointing} must be true or false")

@@ -271,5 +271,5 @@ def launch(cfg: DictConfig, run_dir: Path) -> None:
         mark_failed(run_dir, config, 128 + stop["signal"])
     elif code and code != REQUEUE_EXIT_CODE:
         mark_failed(run_dir, config, code)
-    if code and not (code != REQUEUE_EXIT_CODE and goes_on_after(run_dir)):  # a stop ends a sweep, a failure not
+    if code and not goes_on_after(run_dir, code, plan.nnodes):  # a failed point of a local sweep: the next one
         sys.exit(code)

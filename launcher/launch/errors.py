@@ -143,6 +143,7 @@ def _argparse_hint(message: str) -> str:
     flag = re.search(r"--(nproc[_-]per[_-]node|nnodes|node[_-]rank|rdzv[_-]endpoint|max[_-]restarts)\b", refused)
     if flag:  # torchrun's, typed as one would to torchrun: the launcher runs torchrun itself, from its launcher keys
         key = f"launcher.{flag.group(1).replace('-', '_')}"
+        key = "launcher.nodes" if key == "launcher.nnodes" and "launcher=slurm" in sys.argv else key  # (its name)
         return f"{refused}; the launcher runs torchrun itself: give {key}=<value> (an override, no dashes)"
     return f"{refused}; python -m launcher --help lists the options"
 

@@ -215,6 +215,10 @@ def run_agent(config_path: Path, plan: Plan, launcher: DictConfig, rendezvous: l
             return 0  # (a fresh start deletes an earlier summary.json: only one written now counts)
         if err.sigval in signals and stop is None:  # they saved none: a requeue goes on all the same
             write_preempted(run_dir, (complete_steps(run_dir) or [0])[-1], err.sigval, saved=False, started=started)
+        elif err.sigval not in signals:  # SIGHUP (a closed terminal), SIGQUIT: the agent ended the workers, unsaved
+            print(f"stopped by {signal.Signals(err.sigval).name}, which saves no checkpoint (launcher.signal and "
+                  f"SIGTERM/SIGINT do); a relaunch resumes from the latest one (exit code {code})", file=sys.stderr)
+            return code
     except (RendezvousError, DistStoreError, DistNetworkError) as err:  # nobody serves the endpoint, nodes missing
         why = (str(err).strip().splitlines() or [type(err).__name__])[0]
         fix = ("another node of the job failed before its agent started: see the job's other logs" if
@@ -243,6 +247,6 @@ def run_agent(config_path: Path, plan: Plan, launcher: DictConfig, rendezvous: l
         code = 0
     preempted = read_preempted(run_dir)
     if preempted is not None:
-        print(stop_line(preempted, run_dir, sweep_dir), file=sys.stderr)
+        print(stop_line(preempted, run_dir, sweep_dir, launcher.name != "slurm"), file=sys.stderr)
         return REQUEUE_EXIT_CODE
     return code

@@ -14,6 +14,7 @@ points after it never run and nothing said of them): the sweep goes on, and its 
 from __future__ import annotations
 
 import logging
+import sys
 from pathlib import Path
 from typing import Any, Callable
 
@@ -26,10 +27,11 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from launcher.derived import ConfigError
+from launcher.preempt import REQUEUE_EXIT_CODE
 
 POINTS: list[list[str]] = []  # this -m launch's points, each its overrides, in the order Hydra runs them
 HELD: list[tuple[logging.Handler, logging.LogRecord]] = []  # Hydra's "#0 : ..." line, until the points pass
-FAILED: list[tuple[str, str]] = []  # this local sweep's points that failed as they trained: (in words, the sweep dir)
+FAILED: list[tuple[str, int, str]] = []  # this local sweep's points that failed as they trained: (words, code, sweep dir)
 LOGGER = "hydra._internal.core_plugins.basic_launcher"
 
 
@@ -104,23 +106,33 @@ def _swept(num: int) -> str:
     return " ".join(override for override in POINTS[num] if override not in shared)
 
 
-def goes_on_after(run_dir: Path) -> bool:
-    """Whether a local sweep goes on to its next point after this one's workers failed (their line said why): in a -m
-    launch, noted for the sweep's end. Else (a single run) the launch exits with the workers' code."""
+def goes_on_after(run_dir: Path, code: int, nnodes: int) -> bool:
+    """Whether a local sweep goes on to its next point after this one's workers ended with `code` (their line said
+    why): a failure, in a sweep of Hydra's basic sweeper of several points on one node, noted for the sweep's end.
+    A stop ends the sweep (REQUEUE_EXIT_CODE: Ctrl-C, a preemption; over 128: the agent's SIGHUP or SIGQUIT), as do a
+    single run, another sweeper's (it reads each point's result), and several nodes (one whose rendezvous failed
+    would meet the others at a later point)."""
     hydra = HydraConfig.get()
-    if hydra.mode != RunMode.MULTIRUN:
+    if code == REQUEUE_EXIT_CODE or code > 128 or hydra.mode != RunMode.MULTIRUN or len(POINTS) < 2 or nnodes > 1:
         return False
     num = hydra.job.num
-    named = f" ({_swept(num)})" if len(POINTS) > 1 and num < len(POINTS) else ""
-    FAILED.append((f"#{num}{named}, run dir {run_dir}", str(Path(hydra.sweep.dir).absolute())))
+    named = f" ({_swept(num)})" if num < len(POINTS) else ""
+    FAILED.append((f"#{num}{named}, run dir {run_dir}", code, str(Path(hydra.sweep.dir).absolute())))
     return True
 
 
-def failed_points_line() -> str | None:
-    """At the end of a local sweep whose points all ran: the one line naming those that failed, or None."""
-    if not FAILED:
-        return None
-    of = f" of {len(POINTS)}" if POINTS else ""
-    return (f"error: {len(FAILED)}{of} sweep points failed: {'; '.join(said for said, _ in FAILED)}; the others ran to "
-            f"their end (the sweep's command with hydra.sweep.dir={FAILED[0][1]} runs the failed points again and skips "
-            f"the finished)")
+def failed_points_code() -> int:
+    """The exit code of a sweep whose failed points went on: theirs where they all share one (76: relaunch, at half
+    the micro-batch), else 1; 0 where none failed."""
+    codes = {code for _, code, _ in FAILED}
+    return (codes.pop() if len(codes) == 1 else 1) if codes else 0
+
+
+def tell_failed_points() -> None:
+    """The sweep's last line: the points that failed (each said why as it ended), whether the sweep ran on to its end
+    or a later point's stop ended it."""
+    if FAILED:
+        print(f"error: {len(FAILED)} of {len(POINTS)} sweep points failed: {'; '.join(s for s, _, _ in FAILED)}; the "
+              f"sweep's command with hydra.sweep.dir={FAILED[0][2]} runs them again and skips the finished",
+              file=sys.stderr, flush=True)
+        FAILED.clear()

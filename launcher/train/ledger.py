@@ -81,9 +81,9 @@ class StepLedger:
         if self.progress.bad_in_a_row >= self.max_bad_steps:  # the flags are agreed: every rank stops here
             kept = (f"the last complete checkpoint is kept in {self.run_dir / CHECKPOINTS_DIR}"
                     if complete_steps(self.run_dir) else "no checkpoint was written before them")
-            lr = self.scheduler.get_last_lr()[0]  # (a diverging run is the config's or the data's: one line, the fix)
+            lr = self.scheduler.base_lrs[0]  # optimizer.lr (a diverging run is the config's or the data's: the fix)
             error = RuntimeError(f"{self.progress.bad_in_a_row} consecutive steps had non-finite gradients "
-                                 f"(train.max_bad_steps={self.max_bad_steps}); {kept}; lower optimizer.lr (the learning "
-                                 f"rate is {lr:g}), look for inf or nan in the data, or raise train.max_bad_steps")
+                                 f"(train.max_bad_steps={self.max_bad_steps}); {kept}; lower optimizer.lr (it is "
+                                 f"{lr:g}), look for inf or nan in the data, or raise train.max_bad_steps")
             error.one_line = True  # the launcher's line says it all; no traceback of the launcher's own code
             raise error
