@@ -76,6 +76,11 @@ class TensorMetrics(Blobs):
         return {"accuracy": torch.tensor(sums["correct"] / sums["count"])}
 
 
+class MisspeltSum(Blobs):
+    def eval_metrics(self, sums):
+        return {"accuracy": sums["n_correct"] / sums["count"]}
+
+
 class Streamed(Blobs):
     def __init__(self):
         super().__init__()
@@ -211,12 +216,18 @@ def test_a_task_s_parts_are_checked_as_it_is_built(own_repo: Path, monkeypatch: 
     check_task(cls.Blobs(), "myjob.cls.Blobs")
 
 
-def test_eval_metrics_that_are_tensors_fail_before_the_first_step(own_repo: Path) -> None:
-    out = launch(own_repo, "data._target_=myjob.cls.TensorMetrics", "launcher.nproc_per_node=1")
+@pytest.mark.parametrize("task, message", [
+    ("TensorMetrics", "its eval_metrics' 'accuracy' is a Tensor of shape (); return Python numbers (float(...) of a "
+                      "tensor)"),
+    # its KeyError was taken for metrics that need real sums: all steps trained, then the final eval failed, unsaved
+    ("MisspeltSum", "its eval_metrics failed on the sums of its first eval samples: KeyError: 'n_correct'")])
+def test_eval_metrics_that_are_tensors_or_fail_fail_before_the_first_step(own_repo: Path, task: str,
+                                                                           message: str) -> None:
+    out = launch(own_repo, f"data._target_=myjob.cls.{task}", "launcher.nproc_per_node=1")
     assert out.returncode == 1
     assert out.stderr.strip().splitlines()[-1].startswith(
-        "error: rank 0 failed: ConfigError: data._target_=myjob.cls.TensorMetrics: its eval_metrics' 'accuracy' is a "
-        "Tensor of shape (); return Python numbers (float(...) of a tensor)"), out.stderr[-3000:]
+        f"error: rank 0 failed: ConfigError: data._target_=myjob.cls.{task}: {message}"), out.stderr[-3000:]
+    assert "step 1/" not in out.stdout, out.stdout[-2000:]
 
 
 def test_an_experiment_without_its_package_line_is_told_the_fix(own_repo: Path) -> None:

@@ -47,9 +47,18 @@ def probe_eval(run: Run, target: str) -> None:
                 torch.Tensor, numbers.Real)):
             raise ConfigError(f"{job}: its eval_sums' {key!r} is {_what(sums[key])}; each sum is one number (a "
                               f"tensor of one value, or a Python number) that adds up across batches and ranks")
-    try:  # sums that are all 1, as Task says (launcher/train/best.py learns the metrics' names so)
-        metrics = task.eval_metrics({key: 1.0 for key in task.eval_sum_keys})
-    except Exception:  # noqa: BLE001 - metrics that need real sums (a count of 1 - 1): the eval tells
+    metrics = None  # sums that are all 1, as Task says (launcher/train/best.py learns the metrics' names so), then
+    for tried in ({key: 1.0 for key in task.eval_sum_keys}, {key: float(sums[key]) for key in task.eval_sum_keys}):
+        try:  # the two samples' own: metrics that need real sums (a count of 1 - 1) may take these
+            metrics = task.eval_metrics(tried)
+            break
+        except (ArithmeticError, ValueError):  # (math.log(0) is a ValueError) a division by a sum of 0 here
+            continue
+        except Exception as error:  # a KeyError, a name: the first eval would fail so, or the last, unsaved
+            said = next((line for line in str(error).splitlines() if line.strip()), "")
+            raise ConfigError(f"{job}: its eval_metrics failed on the sums of its first eval samples: "
+                              f"{type(error).__name__}: {said}") from error
+    if metrics is None:  # no sums it could take here: the eval tells
         return
     if not isinstance(metrics, Mapping):
         raise ConfigError(f"{job}: its eval_metrics returned {_what(metrics)}; return a dict of metric names to "
