@@ -237,3 +237,19 @@ def test_max_length_leaves_roberta_its_padding_positions(tmp_path: Path, pad: in
         check_job_inputs({"model": {"pretrained": str(tmp_path)}, "data": {"max_length": longest + 1}}, {})
     hf.BertConfig(max_position_embeddings=66, pad_token_id=pad).save_pretrained(tmp_path)  # BERT's start at 0
     check_job_inputs({"model": {"pretrained": str(tmp_path)}, "data": {"max_length": 66}}, {})
+
+
+def test_a_model_dir_without_tokenizer_files_is_refused(tmp_path: Path, tiny_bert: Path) -> None:
+    """A dir of save_pretrained's model alone trained on every word as [UNK]: transformers 5 makes a tokenizer of the 5
+    special tokens from its config. Refused in the parent, naming the key; with the tokenizer saved there it passes."""
+    model_dir = tmp_path / "model"
+    hf.BertForSequenceClassification(hf.BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=1,
+                                                   num_attention_heads=2, intermediate_size=64)).save_pretrained(model_dir)
+    config = {"model": {"pretrained": str(model_dir)}, "data": {"tokenizer": str(model_dir)}}
+    with pytest.raises(ConfigError, match=rf"^model\.pretrained={model_dir} has no tokenizer files \(tokenizer\.json, "
+                                          rf"tokenizer_config\.json, vocab\.txt, \.\.\.\), and a tokenizer made without "
+                                          rf"them knows no word; save the tokenizer there too"):
+        check_job_inputs(config, {})
+    check_job_inputs({**config, "data": {"tokenizer": str(tiny_bert)}}, {})  # another dir's tokenizer
+    hf.AutoTokenizer.from_pretrained(tiny_bert).save_pretrained(model_dir)
+    check_job_inputs(config, {})

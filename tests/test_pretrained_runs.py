@@ -178,6 +178,7 @@ def test_a_run_dir_named_as_pretrained_is_checked_in_the_parent(tmp_path: Path) 
     with pytest.raises(ConfigError, match=r"^data\.tokenizer=.*: its newest checkpoint .*/checkpoints/3 has no config.json"):
         check_job_inputs({**config, "model": {}}, pinned={})
     (step / "config.json").write_text(json.dumps({"max_position_embeddings": 64}))
+    (step / "tokenizer_config.json").write_text("{}")  # (a text job's checkpoint holds its tokenizer too)
     check_job_inputs(config, pinned={})
     with pytest.raises(ConfigError, match=r"data\.max_length=128 is more than the 64 positions of model\.pretrained="):
         check_job_inputs({**config, "data": {"tokenizer": str(run_dir), "max_length": 128}}, pinned={})

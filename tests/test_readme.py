@@ -40,7 +40,8 @@ def test_readme_command_runs_as_written(args: list[str], tmp_path: Path, tiny_be
         (run / "checkpoints" / "4").mkdir(parents=True)
         (run / "slurm.json").write_text('{"job_id": "1234", "log_dir": "slurm"}\n')
         (run / "launch.json").write_text("{}\n")
-        (run / "checkpoints" / "4" / "config.json").write_text((tiny_bert / "config.json").read_text())
+        for kept in ("config.json", "tokenizer.json", "tokenizer_config.json"):  # (what its job's checkpoint holds)
+            (run / "checkpoints" / "4" / kept).write_text((tiny_bert / kept).read_text())
         (run / "checkpoints" / "4" / "COMPLETE").write_text("{}\n")
     args = [arg.replace("=/shared/", f"={tmp_path}/shared/") for arg in args]  # the nodes' shared storage
     flags = 1 if args[:1] == ["-m"] else 0  # Hydra's own options (`--cfg job`) must stay last

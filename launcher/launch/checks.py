@@ -30,6 +30,11 @@ COLUMN_KEYS = ("text_fields", "label_field", "text_field")  # columns a tabular 
 TEXT_FIELDS_KEY = "text_fields"  # columns tokenized together: a text, or a pair (a tokenizer takes no third)
 LENGTH_KEY = "max_length"  # tokens per sample a text job keeps (data.max_length)
 DROPOUT_KEY = "dropout"  # a probability that overrides the model's (model.dropout)
+TOKENIZER_KEY = "tokenizer"  # the dir or hub id a text job's tokenizer loads from (data.tokenizer)
+# what save_pretrained writes of a tokenizer, one at least: without any, transformers 5 makes a tokenizer of its 5
+# special tokens from the model's config, and every word is [UNK]
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "vocab.json", "spiece.model",
+                   "sentencepiece.bpe.model", "tokenizer.model")
 DTYPE_KEY = "dtype"  # the name of a torch dtype the job makes its tensors in (model.dtype: float32, bfloat16)
 # tokens a text job's batches are padded to a multiple of (data.pad_to_multiple_of; null: each batch's longest)
 PAD_KEY = "pad_to_multiple_of"
@@ -184,7 +189,17 @@ def check_job_inputs(config: dict[str, Any], pinned: dict[str, dict[str, str]]) 
         if empty:  # the workers would find it too, after seconds of start-up, on every rank
             raise ConfigError(f"data.{key}={path} row {empty[0]}: no text in column {empty[1]!r}; fill it in or drop "
                               f"the row")
-    check_labels(data, _model_source(data.get("tokenizer"), pinned, "data.tokenizer"), MAX_SCANNED_BYTES)
+    tokenizer = _model_source(data.get(TOKENIZER_KEY), pinned, f"data.{TOKENIZER_KEY}")
+    if isinstance(tokenizer, str) and Path(tokenizer).is_dir() and \
+            not any((Path(tokenizer) / name).is_file() for name in TOKENIZER_FILES):
+        named = "model.pretrained" if data[TOKENIZER_KEY] == (config.get("model") or {}).get("pretrained") else \
+            f"data.{TOKENIZER_KEY}"
+        where = "" if tokenizer == data[TOKENIZER_KEY] else f" (its checkpoint {tokenizer})"
+        raise ConfigError(f"{named}={data[TOKENIZER_KEY]}{where} has no tokenizer files ("
+                          f"{', '.join(TOKENIZER_FILES[:3])}, ...), and a tokenizer made without them knows no word; "
+                          f"save the tokenizer there too (tokenizer.save_pretrained), or give "
+                          f"data.{TOKENIZER_KEY}=<a dir or hub id that has one>")
+    check_labels(data, tokenizer, MAX_SCANNED_BYTES)
 
 
 def _check_source(data: dict[str, Any]) -> None:
