@@ -85,3 +85,19 @@ def test_only_a_config_mistake_or_a_message_of_the_job_goes_without_its_tracebac
     with pytest.raises(ValueError) as error:
         build_part("data", OmegaConf.create({"_target_": target}))
     assert error.value.one_line is one_line, str(error.value)
+
+
+def test_a_job_without_an_eval_set_is_told_where_evals_were_asked(tmp_path: Path) -> None:
+    """train.max_steps=0 (evaluate only) of a job without an eval set ended 'done: evaluated without training, eval
+    none', exit 0; train.eval_every logged a bare `eval ` at each eval step. Now the first stops in one line, the
+    second says once that no eval comes, and trains."""
+    out = run_cli("+exp=toy", "data.n_eval=0", "train.max_steps=0", f"hydra.run.dir={tmp_path / 'only'}", cwd=tmp_path)
+    assert out.returncode == 1 and out.stderr.strip().splitlines()[-1].startswith(
+        "error: rank 0 failed: ConfigError: train.max_steps=0 evaluates only, and the job has no eval set; give it "
+        "one (e.g. data.eval_path), or train.max_steps > 0"), out.stderr[-2000:]
+    run_dir = tmp_path / "evals"
+    out = run_cli("+exp=toy", "data.n_eval=0", "train.max_steps=4", "train.eval_every=2", "train.log_every=1",
+                  f"hydra.run.dir={run_dir}", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "note: train.eval_every=2, but the job has no eval set (e.g. data.eval_path): no evals" in out.stderr
+    assert [line for line in (run_dir / "metrics.jsonl").read_text().splitlines() if '"eval"' in line] == []

@@ -138,7 +138,7 @@ def build(cfg: DictConfig, run_dir: Path, env: launcher_dist.DistEnv) -> Run:
               max_steps=train_cfg.max_steps,
               max_grad_norm=train_cfg.max_grad_norm, timeout_s=cfg.dist.timeout_s,
               checkpoint_timeout_s=cfg.dist.checkpoint_timeout_s, log_every=train_cfg.log_every,
-              eval_every=train_cfg.eval_every, ckpt_every=train_cfg.ckpt_every,
+              eval_every=train_cfg.eval_every if task.eval_set is not None else 0, ckpt_every=train_cfg.ckpt_every,
               keep_checkpoints=train_cfg.keep_checkpoints, max_bad_steps=train_cfg.max_bad_steps,
               log_samples=train_cfg.log_samples, num_workers=train_cfg.num_workers,
               persistent_workers=train_cfg.persistent_workers, prefetch_factor=train_cfg.prefetch_factor,
@@ -157,6 +157,12 @@ def build(cfg: DictConfig, run_dir: Path, env: launcher_dist.DistEnv) -> Run:
         run.log.warn(f"warning: the train set has {data_plan.n_samples} samples, fewer than train.global_batch_size="
                      f"{data_plan.global_batch_size}: every step trains on those {data_plan.n_samples}; lower "
                      f"train.global_batch_size, or use more data")
+    if task.eval_set is None and (train_cfg.eval_every or not train_cfg.max_steps):  # (it logged `eval ` alone)
+        if not train_cfg.max_steps:  # evaluate only, with nothing to evaluate: it ended "done", exit 0
+            raise ConfigError("train.max_steps=0 evaluates only, and the job has no eval set; give it one (e.g. "
+                              "data.eval_path), or train.max_steps > 0")
+        run.log.warn(f"note: train.eval_every={train_cfg.eval_every}, but the job has no eval set (e.g. data.eval_path): "
+                     f"no evals")
     if "pretrained" in sources["model"]:
         run.log.info(f"model.pretrained={cfg.model.pretrained}: from checkpoint {sources['model']['pretrained']}")
     return run
