@@ -34,7 +34,8 @@ CASES = {  # name: (overrides, or a function of tmp_path giving them; what the l
     "unknown key": (["+exp=toy", "train.micro_batchsize=4"], "did you mean train.micro_batch_size?"),
     "unknown key of an untyped group": (["+exp=bert", "model.pretrain=x"], "did you mean model.pretrained?"),
     "unknown group option": (["+exp=toy", "precision=fp8"], "Available options in 'precision': auto, bf16, fp16, fp32"),
-    "unknown exp": (["+exp=nope"], "Available options in 'exp': bench, bert, bert_mlm, toy"),
+    "unknown exp": (["+exp=nope"], "Available options in 'exp': bench, bert, bert_mlm, toy; a job's own configs: add "
+                                   "their conf dir with -cd <dir> (README: Adding a job)"),
     "unknown logger": (["+exp=toy", "logger=[mlfow]"], "logger=mlfow is not an option of logger/: mlflow, tensorboard, wandb"),
     "unknown option": (["+exp=toy", "--dry-run"], "unrecognized arguments: --dry-run; python -m launcher --help lists"),
     "a torchrun flag": (["+exp=toy", "--nproc_per_node", "2"],
