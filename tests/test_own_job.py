@@ -65,6 +65,9 @@ class ExtraSumsAndAMean(ExtraSums):
         assert isinstance(model.module, nn.Module)  # the DDP-wrapped model, as README says loss_sum is given
         return nn.functional.cross_entropy(model(batch["x"]), batch["y"])  # reduction="mean", as torch's default
 
+    def eval_sums(self, model, batch):  # its eval loss a mean too: the eval's would depend on its batches
+        return {**super().eval_sums(model, batch), "loss_sum": nn.functional.cross_entropy(model(batch["x"]), batch["y"])}
+
 
 class TupleCollate(Blobs):
     def collate(self, samples):
@@ -161,6 +164,8 @@ def test_a_job_of_one_s_own_trains_from_its_own_repo(own_repo: Path) -> None:
                             f"not reported") == 1, out.stderr
     assert len(re.findall(rf"{job}: its loss_sum gave [\d.]+ for train samples 0 and 1 together and [\d.]+ for each "
                           rf"alone, added up: a mean\? Return the sum", out.stderr)) == 1, out.stderr
+    assert out.stderr.count(f"{job}: its eval_sums' 'loss_sum' for eval samples 0 and 1 together is about half the two "
+                            f"alone, added up: a mean?") == 1, out.stderr
     assert (own_repo / "run" / "checkpoints" / "8" / "COMPLETE").is_file()
     record = json.loads((own_repo / "run" / "launch.json").read_text())  # what the same command needs again
     assert record["env"]["PYTHONPATH"] == f"{own_repo}:{REPO}" and "-cd" in record["command"], record

@@ -1,11 +1,12 @@
-"""Whether the job's loss_sum sums: one that returns a mean trains, on a gradient that depends on the split.
+"""Whether the job's loss_sum and eval_sums sum: a loss that is a mean trains on a gradient that depends on the
+split, and eval sums that are means report metrics that depend on the eval's batches and ranks.
 
 The step divides the summed loss by the items of the whole step on all ranks (launcher/train/step.py); a loss_sum
 that is already a mean (HF's `outputs.loss`, `reduction="mean"`) is divided twice: its learning rate shrinks with
 the micro-batch and its gradient changes with the world size and accumulation, with nothing said. Tried before the
 first step on the first two train samples: their loss together against each one's alone, added up, about half of
 it for a mean. A warning, not an error: what a job's loss may be cannot all be foreseen (a sum plus a term per batch
-that outweighs it on a fresh model looks like a mean too).
+that outweighs it on a fresh model looks like a mean too). The eval's sums alike, on the first two eval samples.
 Exercised by: tests/test_own_job.py.
 """
 from __future__ import annotations
@@ -47,10 +48,37 @@ def probe_loss_sum(run: Run, target: str) -> None:
             together, alone = loss_of([0, 1]), [loss_of([0]), loss_of([1])]
     except Exception:  # noqa: BLE001 - a loss that takes no batch of one, or is no number: the step tells its own
         return         # error (every rank reads the same samples, so all return here alike)
-    apart = sum(alone)
-    if not (math.isfinite(together) and math.isfinite(apart) and apart and
-            MEAN_OF_TWO[0] <= together / apart <= MEAN_OF_TWO[1]):
+    if looks_like_a_mean(together, sum(alone)):
+        run.log.warn(f"warning: data._target_={target}: its loss_sum gave {together:.4g} for train samples 0 and 1 "
+                     f"together and {sum(alone):.4g} for each alone, added up: a mean? Return the sum over the batch's "
+                     f"items (reduction='sum'): the launcher divides by count_items over the step on all ranks")
+    if task.eval_set is not None and len(task.eval_set) >= 2:
+        _probe_eval_sums(run, target)
+
+
+def looks_like_a_mean(together: float, apart: float) -> bool:
+    return math.isfinite(together) and math.isfinite(apart) and bool(apart) and \
+        MEAN_OF_TWO[0] <= together / apart <= MEAN_OF_TWO[1]
+
+
+def _probe_eval_sums(run: Run, target: str) -> None:
+    """Warn (rank 0) for each eval sum of eval samples 0 and 1 together that is about half each one's alone (a
+    per-batch mean: its metric would change with the eval's batches and ranks). Every rank alike."""
+    task, device = run.task, run.env.device
+
+    def sums_of(indices: list[int]) -> dict[str, float]:
+        with random_streams_kept(device):
+            batch = to_device(task.collate([task.eval_set[i] for i in indices]), device)
+            sums = task.eval_sums(run.module, batch)  # the model evaluate() hands it
+            return {key: float(sums[key]) for key in task.eval_sum_keys}
+
+    try:
+        with eval_mode(run), run.precision.autocast():
+            together, first, second = sums_of([0, 1]), sums_of([0]), sums_of([1])
+    except Exception:  # noqa: BLE001 - probe_eval told what it could; the eval tells the rest
         return
-    run.log.warn(f"warning: data._target_={target}: its loss_sum gave {together:.4g} for train samples 0 and 1 "
-                 f"together and {apart:.4g} for each alone, added up: a mean? Return the sum over the batch's items "
-                 f"(reduction='sum'): the launcher divides by count_items over the step on all ranks")
+    means = [key for key in task.eval_sum_keys if looks_like_a_mean(together[key], first[key] + second[key])]
+    if means:
+        run.log.warn(f"warning: data._target_={target}: its eval_sums' {', '.join(map(repr, means))} for eval samples "
+                     f"0 and 1 together is about half the two alone, added up: a mean? Return sums over the batch's "
+                     f"items: the launcher adds them up over batches and ranks, and eval_metrics divides")
