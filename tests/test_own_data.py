@@ -239,9 +239,10 @@ def test_max_length_leaves_roberta_its_padding_positions(tmp_path: Path, pad: in
     check_job_inputs({"model": {"pretrained": str(tmp_path)}, "data": {"max_length": 66}}, {})
 
 
-def test_a_model_dir_without_tokenizer_files_is_refused(tmp_path: Path, tiny_bert: Path) -> None:
-    """A dir of save_pretrained's model alone trained on every word as [UNK]: transformers 5 makes a tokenizer of the 5
-    special tokens from its config. Refused in the parent, naming the key; with the tokenizer saved there it passes."""
+def test_a_tokenizer_without_files_or_with_more_words_than_the_model_is_refused(tmp_path: Path, tiny_bert: Path) -> None:
+    """A dir of save_pretrained's model alone trained on every word as [UNK] (transformers 5 makes a tokenizer of the 5
+    special tokens from its config), exit 0; a tokenizer of more words than the model's embeddings failed on every
+    rank with `IndexError: index out of range in self`. Both refused in the parent, naming the key."""
     model_dir = tmp_path / "model"
     hf.BertForSequenceClassification(hf.BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=1,
                                                    num_attention_heads=2, intermediate_size=64)).save_pretrained(model_dir)
@@ -250,6 +251,7 @@ def test_a_model_dir_without_tokenizer_files_is_refused(tmp_path: Path, tiny_ber
                                           rf"tokenizer_config\.json, vocab\.txt, \.\.\.\), and a tokenizer made without "
                                           rf"them knows no word; save the tokenizer there too"):
         check_job_inputs(config, {})
-    check_job_inputs({**config, "data": {"tokenizer": str(tiny_bert)}}, {})  # another dir's tokenizer
-    hf.AutoTokenizer.from_pretrained(tiny_bert).save_pretrained(model_dir)
-    check_job_inputs(config, {})
+    with pytest.raises(ConfigError, match=rf"^data\.tokenizer={tiny_bert} has 30522 words, more than the 100 of "
+                                          rf"model\.pretrained={model_dir}'s embeddings \(vocab_size\)"):
+        check_job_inputs({**config, "data": {"tokenizer": str(tiny_bert)}}, {})
+    check_job_inputs({"model": {"pretrained": str(tiny_bert)}, "data": {"tokenizer": str(tiny_bert)}}, {})

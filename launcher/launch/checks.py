@@ -1,7 +1,8 @@
 """Checks of common job conventions, in the parent before any worker starts: local files that exist, hold rows
 and the named columns (one text or a pair), a classifier's labels (label_checks.py), lengths within the model's
-positions, dtypes torch has, model ids that can load offline, run dirs named as a pretrained model that have a
-checkpoint to start from. By key name only: launcher/ never imports jobs/.
+positions, dtypes torch has, a tokenizer that fits its model (tokenizer_check.py), model ids that can load
+offline, run dirs named as a pretrained model that have a checkpoint to start from. By key name only: launcher/
+never imports jobs/.
 
 Exercised by: `python -m launcher +exp=bert data=files data.path=missing.csv` (one-line error, exit 2).
 """
@@ -19,6 +20,7 @@ from omegaconf import OmegaConf
 
 from launcher.derived import CHECKPOINTING_KEY, ConfigError
 from launcher.launch.label_checks import check_labels
+from launcher.launch.tokenizer_check import TOKENIZER_KEY, check_tokenizer
 from launcher.rundir import PRETRAINED_KEYS, is_run_dir, newest_checkpoint, pinned_checkpoint
 
 PATH_KEYS = ("path", "eval_path")  # data files a job reads
@@ -30,11 +32,6 @@ COLUMN_KEYS = ("text_fields", "label_field", "text_field")  # columns a tabular 
 TEXT_FIELDS_KEY = "text_fields"  # columns tokenized together: a text, or a pair (a tokenizer takes no third)
 LENGTH_KEY = "max_length"  # tokens per sample a text job keeps (data.max_length)
 DROPOUT_KEY = "dropout"  # a probability that overrides the model's (model.dropout)
-TOKENIZER_KEY = "tokenizer"  # the dir or hub id a text job's tokenizer loads from (data.tokenizer)
-# what save_pretrained writes of a tokenizer, one at least: without any, transformers 5 makes a tokenizer of its 5
-# special tokens from the model's config, and every word is [UNK]
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "vocab.json", "spiece.model",
-                   "sentencepiece.bpe.model", "tokenizer.model")
 DTYPE_KEY = "dtype"  # the name of a torch dtype the job makes its tensors in (model.dtype: float32, bfloat16)
 # tokens a text job's batches are padded to a multiple of (data.pad_to_multiple_of; null: each batch's longest)
 PAD_KEY = "pad_to_multiple_of"
@@ -190,15 +187,8 @@ def check_job_inputs(config: dict[str, Any], pinned: dict[str, dict[str, str]]) 
             raise ConfigError(f"data.{key}={path} row {empty[0]}: no text in column {empty[1]!r}; fill it in or drop "
                               f"the row")
     tokenizer = _model_source(data.get(TOKENIZER_KEY), pinned, f"data.{TOKENIZER_KEY}")
-    if isinstance(tokenizer, str) and Path(tokenizer).is_dir() and \
-            not any((Path(tokenizer) / name).is_file() for name in TOKENIZER_FILES):
-        named = "model.pretrained" if data[TOKENIZER_KEY] == (config.get("model") or {}).get("pretrained") else \
-            f"data.{TOKENIZER_KEY}"
-        where = "" if tokenizer == data[TOKENIZER_KEY] else f" (its checkpoint {tokenizer})"
-        raise ConfigError(f"{named}={data[TOKENIZER_KEY]}{where} has no tokenizer files ("
-                          f"{', '.join(TOKENIZER_FILES[:3])}, ...), and a tokenizer made without them knows no word; "
-                          f"save the tokenizer there too (tokenizer.save_pretrained), or give "
-                          f"data.{TOKENIZER_KEY}=<a dir or hub id that has one>")
+    model = config.get("model") or {}
+    check_tokenizer(data, tokenizer, model.get("pretrained"), _model_source(model.get("pretrained"), pinned))
     check_labels(data, tokenizer, MAX_SCANNED_BYTES)
 
 
