@@ -175,7 +175,9 @@ def test_a_run_dir_named_as_pretrained_is_checked_in_the_parent(tmp_path: Path) 
     step = run_dir / "checkpoints" / "3"
     step.mkdir(parents=True)
     (step / "COMPLETE").write_text("{}")
-    with pytest.raises(ConfigError, match=r"^data\.tokenizer=.*: its newest checkpoint .*/checkpoints/3 has no config.json"):
+    with pytest.raises(ConfigError, match=r"^data\.tokenizer=.*: its newest checkpoint .*/checkpoints/3 has no config.json: "
+                                          r"a run dir stands for a save_pretrained dir, .*or the checkpoint itself "
+                                          r"\(data\.tokenizer=.*/checkpoints/3\) to a builder that reads it"):
         check_job_inputs({**config, "model": {}}, pinned={})
     (step / "config.json").write_text(json.dumps({"max_position_embeddings": 64}))
     (step / "tokenizer_config.json").write_text("{}")  # (a text job's checkpoint holds its tokenizer too)

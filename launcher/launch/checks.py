@@ -219,8 +219,9 @@ def _check_pretrained_run(key: str, run_dir: str, after: str | None) -> None:
         raise ConfigError(f"{key}={run_dir} is a run dir without a complete checkpoint; train it first, or (launcher=slurm) "
                           f"add launcher.after={run_dir} to start once its job has completed")
     if not (newest / "config.json").is_file():
-        raise ConfigError(f"{key}={run_dir}: its newest checkpoint {newest} has no config.json (its job writes no "
-                          f"model files: Task.write_model_files); give a dir written by save_pretrained")
+        raise ConfigError(f"{key}={run_dir}: its newest checkpoint {newest} has no config.json: a run dir stands for "
+                          f"a save_pretrained dir, which its job's write_model_files does not write; give a dir written "
+                          f"by save_pretrained, or the checkpoint itself ({key}={newest}) to a builder that reads it")
 
 
 def _run_config(run_dir: Path) -> dict[str, Any]:
