@@ -4,13 +4,18 @@ keeps rank 0's traceback (the parent's refusals: tests/test_bad_input.py)."""
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
+import torch
 from omegaconf import OmegaConf
 
 from conftest import run_cli
 from jobs.toy import ToyRegression
+from launcher.derived import ConfigError
+from launcher.train.evaluation import probe_eval
 from launcher.train.job import build_part, check_task
+from launcher.train.precision import Precision
 
 
 # A key the target does not take (+data.seq_lenn=16) and a target that is not there no longer get this far: the
@@ -101,3 +106,31 @@ def test_a_job_without_an_eval_set_is_told_where_evals_were_asked(tmp_path: Path
     assert out.returncode == 0, out.stderr[-2000:]
     assert "note: train.eval_every=2, but the job has no eval set (e.g. data.eval_path): no evals" in out.stderr
     assert [line for line in (run_dir / "metrics.jsonl").read_text().splitlines() if '"eval"' in line] == []
+
+
+class AgreeingSums(ToyRegression):
+    """Metrics that check their sums agree: all-ones sums fail it (a count of 1 and a loss that is no mean of it),
+    the samples' own do not."""
+
+    def eval_metrics(self, sums: dict[str, float]) -> dict[str, float]:
+        assert sums["count"] == 2, sums  # the probe's two samples, the eval's whole set
+        return {"loss": sums["loss_sum"] / sums["count"]}
+
+
+class MisspeltSum(ToyRegression):
+    def eval_metrics(self, sums: dict[str, float]) -> dict[str, float]:
+        return {"loss": sums["loss_sum"] / sums["n"]}
+
+
+def test_the_eval_probe_refuses_only_metrics_that_fail_on_the_samples_own_sums() -> None:
+    """A fault on the all-ones sums alone (metrics that check their sums agree) was refused: it trains. A misspelt
+    sum fails on both, and is refused before the first step, in one line."""
+    task = AgreeingSums(n_samples=16, n_eval=4, in_features=4)
+    run = SimpleNamespace(task=task, env=SimpleNamespace(device=torch.device("cpu")), module=torch.nn.Linear(4, 2),
+                          precision=Precision("fp32", "cpu"), compile_watch=SimpleNamespace(enabled=False),
+                          log=SimpleNamespace(warn=print))
+    probe_eval(run, "my.Task")
+    run.task = MisspeltSum(n_samples=16, n_eval=4, in_features=4)
+    with pytest.raises(ConfigError, match=r"^data._target_=my.Task: its eval_metrics failed on the sums of its first "
+                                          r"eval samples: KeyError: 'n'$"):
+        probe_eval(run, "my.Task")

@@ -60,7 +60,8 @@ def condense(text: str) -> str:
     if "mkdir" in text and "Error" in message:  # Hydra creates the run dir before our code runs
         message = f"hydra.run.dir (or hydra.sweep.dir) cannot be created: {message}"
     message = _primary_hint(_argparse_hint(_group_hint(_type_hint(message))))
-    if re.search(r"Could not find '\w+/[^']+'", message) and not {"-cd", "--config-dir"} & set(sys.argv):
+    if re.search(r"Could not find '(exp|data|model)/[^']+'", message) and \
+            not any(arg.startswith(("-cd", "--config-dir")) for arg in sys.argv):  # (the groups a job of one's own adds)
         message += "; a job's own configs: add their conf dir with -cd <dir> (README: Adding a job)"
     unknown = re.search(r"Key '([^']+)' not in '(\w+)'", message)
     if unknown and object_type:

@@ -15,9 +15,11 @@ from typing import Any
 from launcher.derived import ConfigError
 
 TOKENIZER_KEY = "tokenizer"  # the dir or hub id a text job's tokenizer loads from (data.tokenizer)
-# what save_pretrained writes of a tokenizer, one at least
+# what save_pretrained writes of a tokenizer, one at least (tokenizer_config.json alone: a byte-level one, ByT5's),
+# or a file of a kind (sentencepiece's *.model: DeBERTa's spm.model; Marian's source.spm; tiktoken's)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "vocab.json", "spiece.model",
                    "sentencepiece.bpe.model", "tokenizer.model")
+TOKENIZER_KINDS = ("*.model", "*.spm", "*.tiktoken")
 
 
 def check_tokenizer(data: dict[str, Any], tokenizer: Any, pretrained: Any, model_dir: Any) -> None:
@@ -28,7 +30,8 @@ def check_tokenizer(data: dict[str, Any], tokenizer: Any, pretrained: Any, model
     named = "model.pretrained" if data[TOKENIZER_KEY] == pretrained else f"data.{TOKENIZER_KEY}"
     said = f"{named}={data[TOKENIZER_KEY]}" + ("" if tokenizer == data[TOKENIZER_KEY] else
                                                f" (its checkpoint {tokenizer})")
-    if not any((Path(tokenizer) / name).is_file() for name in TOKENIZER_FILES):
+    if not any((Path(tokenizer) / name).is_file() for name in TOKENIZER_FILES) and \
+            not any(next(Path(tokenizer).glob(kind), None) for kind in TOKENIZER_KINDS):
         raise ConfigError(f"{said} has no tokenizer files ({', '.join(TOKENIZER_FILES[:3])}, ...), and a tokenizer "
                           f"made without them knows no word; save the tokenizer there too (tokenizer.save_pretrained), "
                           f"or give data.{TOKENIZER_KEY}=<a dir or hub id that has one>")

@@ -47,17 +47,19 @@ def probe_eval(run: Run, target: str) -> None:
                 torch.Tensor, numbers.Real)):
             raise ConfigError(f"{job}: its eval_sums' {key!r} is {_what(sums[key])}; each sum is one number (a "
                               f"tensor of one value, or a Python number) that adds up across batches and ranks")
-    metrics = None  # sums that are all 1, as Task says (launcher/train/best.py learns the metrics' names so), then
+    metrics, fault = None, None  # sums that are all 1, as Task says (launcher/train/best.py learns the names so),
     for tried in ({key: 1.0 for key in task.eval_sum_keys}, {key: float(sums[key]) for key in task.eval_sum_keys}):
-        try:  # the two samples' own: metrics that need real sums (a count of 1 - 1) may take these
-            metrics = task.eval_metrics(tried)
+        try:  # then the two samples' own: metrics that need real sums (a count of 1 - 1, sums that must agree)
+            metrics, fault = task.eval_metrics(tried), None
             break
-        except (ArithmeticError, ValueError):  # (math.log(0) is a ValueError) a division by a sum of 0 here
-            continue
-        except Exception as error:  # a KeyError, a name: the first eval would fail so, or the last, unsaved
-            said = next((line for line in str(error).splitlines() if line.strip()), "")
-            raise ConfigError(f"{job}: its eval_metrics failed on the sums of its first eval samples: "
-                              f"{type(error).__name__}: {said}") from error
+        except (ArithmeticError, ValueError):  # (math.log(0) is a ValueError) a division by a sum of 0 there
+            fault = None
+        except Exception as error:  # noqa: BLE001 - told below if the real sums fail so too
+            fault = error
+    if fault is not None:  # a KeyError, a name: the first eval would fail so, or the last, unsaved
+        said = next((line for line in str(fault).splitlines() if line.strip()), "")
+        raise ConfigError(f"{job}: its eval_metrics failed on the sums of its first eval samples: "
+                          f"{type(fault).__name__}: {said}") from fault
     if metrics is None:  # no sums it could take here: the eval tells
         return
     if not isinstance(metrics, Mapping):

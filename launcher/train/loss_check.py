@@ -14,10 +14,11 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from launcher.task import to_device
-from launcher.train.data import random_streams_kept
+from launcher.train.data import random_streams_kept, seed_all
 from launcher.train.evaluation import eval_mode
 
 if TYPE_CHECKING:
@@ -63,18 +64,25 @@ def looks_like_a_mean(together: float, apart: float) -> bool:
 
 def _probe_eval_sums(run: Run, target: str) -> None:
     """Warn (rank 0) for each eval sum of eval samples 0 and 1 together that is about half each one's alone (a
-    per-batch mean: its metric would change with the eval's batches and ranks). Every rank alike."""
+    per-batch mean: its metric would change with the eval's batches and ranks). Every rank alike: each draws from
+    the same seeds. Not where the two samples' sums change with the seed (a collate that masks at random, as HF's
+    DataCollatorForLanguageModeling): sample 1 alone would draw sample 0's masks, and a count not add up."""
     task, device = run.task, run.env.device
 
-    def sums_of(indices: list[int]) -> dict[str, float]:
+    def sums_of(indices: list[int], seed: int = 0) -> dict[str, float]:
         with random_streams_kept(device):
+            seed_all(seed)
+            np.random.seed(seed)
             batch = to_device(task.collate([task.eval_set[i] for i in indices]), device)
             sums = task.eval_sums(run.module, batch)  # the model evaluate() hands it
             return {key: float(sums[key]) for key in task.eval_sum_keys}
 
     try:
         with eval_mode(run), run.precision.autocast():
-            together, first, second = sums_of([0, 1]), sums_of([0]), sums_of([1])
+            together, again = sums_of([0, 1]), sums_of([0, 1], seed=1)
+            if any(not math.isclose(together[key], again[key], rel_tol=1e-5) for key in task.eval_sum_keys):
+                return  # drawn at random: the comparison below would say nothing
+            first, second = sums_of([0]), sums_of([1])
     except Exception:  # noqa: BLE001 - probe_eval told what it could; the eval tells the rest
         return
     means = [key for key in task.eval_sum_keys if looks_like_a_mean(together[key], first[key] + second[key])]
