@@ -166,7 +166,9 @@ def test_bert_under_fsdp_learns_as_under_ddp_and_its_checkpoints_load_in_transfo
                   "data.pad_to_multiple_of=${data.max_length}",  # one shape: no recompile for a batch's length
                   f"hydra.run.dir={tmp_path / 'compiled'}", cwd=tmp_path)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
-    assert "compiled, each block" in out.stdout and "warning" not in out.stdout + out.stderr
+    warned = [line for line in (out.stdout + out.stderr).splitlines()  # (+exp=bert's 10 warmup steps are past
+              if "warning" in line and "scheduler.warmup_steps" not in line]  # these 6: a warning of the launch's)
+    assert "compiled, each block" in out.stdout and not warned, warned
     logged = [m for m in read_metrics(tmp_path / "compiled") if "loss" in m]
     assert [(m["compiled_graphs"], m["graph_breaks"]) for m in logged] == [(logged[0]["compiled_graphs"], 0)] * 3
     assert logged[0]["compiled_graphs"] >= 1

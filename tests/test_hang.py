@@ -13,14 +13,14 @@ pytestmark = pytest.mark.slow
 
 
 def test_a_rank_that_hangs_is_named_with_its_stack(tmp_path: Path) -> None:
-    """Rank 1 sleeps in its 17th loss computation (the eval's probe and loss_sum's, 1 + 3, at the start, then step 7's
-    first of 2 micro-batches): within dist.hang_timeout_s both ranks write a report; rank 0's collective times out
+    """Rank 1 sleeps in its 21st loss computation (the eval's probes and loss_sum's, 1 + 4 + 3, at the start, then step
+    7's first of 2 micro-batches): within dist.hang_timeout_s both ranks write a report; rank 0's collective times out
     (dist.timeout_s) and the launcher's one-line error names rank 1 and where it was, while rank 0 waited."""
     run_dir = tmp_path / "run"
     started = time.monotonic()
     out = run_cli("+exp=toy", "train.global_batch_size=16", "train.micro_batch_size=4", "train.max_steps=20",
                   "launcher.nproc_per_node=2", "dist.hang_timeout_s=2", "dist.timeout_s=12", "launcher.shutdown_timeout_s=5",
-                  "data.stall_rank=1", "data.stall_at_call=17", "data.stall_s=30", f"hydra.run.dir={run_dir}",
+                  "data.stall_rank=1", "data.stall_at_call=21", "data.stall_s=30", f"hydra.run.dir={run_dir}",
                   cwd=tmp_path)
     assert out.returncode != 0 and time.monotonic() - started < 120
     lines = out.stderr.strip().splitlines()

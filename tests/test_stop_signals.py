@@ -70,9 +70,9 @@ def test_ctrl_c_after_the_last_step_lets_the_run_end(tmp_path: Path) -> None:
     and summary. The launch said "stopped ... before the workers saved a checkpoint" (exit 75), and left a
     preempted.json and a KILLED tracker run behind a run that was complete."""
     run_dir = tmp_path / "run"
-    # rank 0's 9th loss computation is its first eval batch (the eval's and loss_sum's probes at the start, 1 + 3, 2
-    # steps of 2 micro-batches): 4 s there
-    proc = start(run_dir, "train.max_steps=2", "data.stall_rank=0", "data.stall_at_call=9", "data.stall_s=4")
+    # rank 0's 13th loss computation is its first eval batch (the eval's probes and loss_sum's at the start, 1 + 4 +
+    # 3, 2 steps of 2 micro-batches): 4 s there
+    proc = start(run_dir, "train.max_steps=2", "data.stall_rank=0", "data.stall_at_call=13", "data.stall_s=4")
     wait_until(lambda: logged_step(run_dir) >= 2)
     proc.send_signal(signal.SIGINT)
     out = finish(proc, 0)
