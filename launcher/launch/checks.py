@@ -162,9 +162,9 @@ def check_job_inputs(config: dict[str, Any], pinned: dict[str, dict[str, str]]) 
     checkpointing = (config.get("model") or {}).get(CHECKPOINTING_KEY)
     if checkpointing is not None and not isinstance(checkpointing, bool):
         raise ConfigError(f"model.{CHECKPOINTING_KEY}={checkpointing} must be true or false")
-    data = config.get("data") or {}
-    _check_lengths(data.get(LENGTH_KEY), data.get(PAD_KEY),
-                   _model_source((config.get("model") or {}).get("pretrained"), pinned))
+    data, pretrained = config.get("data") or {}, (config.get("model") or {}).get("pretrained")
+    model_dir = _model_source(pretrained, pinned)  # (a run dir's checkpoint: found once, for the lengths and tokenizer)
+    _check_lengths(data.get(LENGTH_KEY), data.get(PAD_KEY), model_dir)
     fields = data.get(TEXT_FIELDS_KEY)
     if isinstance(fields, list) and len(fields) > 2:  # the tokenizer would take a third as text_target, silently
         raise ConfigError(f"data.{TEXT_FIELDS_KEY}={fields} names {len(fields)} columns; the tokenizer takes a text "
@@ -187,8 +187,7 @@ def check_job_inputs(config: dict[str, Any], pinned: dict[str, dict[str, str]]) 
             raise ConfigError(f"data.{key}={path} row {empty[0]}: no text in column {empty[1]!r}; fill it in or drop "
                               f"the row")
     tokenizer = _model_source(data.get(TOKENIZER_KEY), pinned, f"data.{TOKENIZER_KEY}")
-    model = config.get("model") or {}
-    check_tokenizer(data, tokenizer, model.get("pretrained"), _model_source(model.get("pretrained"), pinned))
+    check_tokenizer(data, tokenizer, pretrained, model_dir)
     check_labels(data, tokenizer, MAX_SCANNED_BYTES)
 
 

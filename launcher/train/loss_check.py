@@ -14,11 +14,10 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING
 
-import numpy as np
 import torch
 
 from launcher.task import to_device
-from launcher.train.data import random_streams_kept, seed_all
+from launcher.train.data import random_streams_kept, seed_worker_for
 from launcher.train.evaluation import eval_mode
 
 if TYPE_CHECKING:
@@ -71,8 +70,7 @@ def _probe_eval_sums(run: Run, target: str) -> None:
 
     def sums_of(indices: list[int], seed: int = 0) -> dict[str, float]:
         with random_streams_kept(device):
-            seed_all(seed)
-            np.random.seed(seed)
+            seed_worker_for(seed)  # (torch's, Python's and numpy's streams)
             batch = to_device(task.collate([task.eval_set[i] for i in indices]), device)
             sums = task.eval_sums(run.module, batch)  # the model evaluate() hands it
             return {key: float(sums[key]) for key in task.eval_sum_keys}
