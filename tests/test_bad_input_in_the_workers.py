@@ -14,6 +14,7 @@ from omegaconf import OmegaConf
 from conftest import run_cli
 from jobs.toy import ToyRegression
 from launcher.derived import ConfigError
+from launcher.train.best import Best, best_eval
 from launcher.train.evaluation import probe_eval
 from launcher.train.job import build_part, check_task
 from launcher.train.precision import Precision
@@ -130,9 +131,39 @@ def test_the_eval_probe_refuses_only_metrics_that_fail_on_the_samples_own_sums()
     task = AgreeingSums(n_samples=16, n_eval=4, in_features=4)
     run = SimpleNamespace(task=task, env=SimpleNamespace(device=torch.device("cpu")), module=torch.nn.Linear(4, 2),
                           precision=Precision("fp32", "cpu"), compile_watch=SimpleNamespace(enabled=False),
-                          log=SimpleNamespace(warn=print))
+                          log=SimpleNamespace(warn=print), best=Best(None, None))
     probe_eval(run, "my.Task")
     run.task = MisspeltSum(n_samples=16, n_eval=4, in_features=4)
     with pytest.raises(ConfigError, match=r"^data._target_=my.Task: its eval_metrics failed on the sums of its first "
                                           r"eval samples: KeyError: 'n'$"):
         probe_eval(run, "my.Task")
+
+
+class OverCountLessOne(ToyRegression):
+    """A metric over count - 1 (as a sample variance's): all-ones sums divide by 0."""
+
+    def eval_metrics(self, sums: dict[str, float]) -> dict[str, float]:
+        return {"loss": sums["loss_sum"] / sums["count"], "unbiased": sums["loss_sum"] / (sums["count"] - 1)}
+
+
+@pytest.mark.parametrize("metric", ["unbiased", "accuracy"])
+def test_best_metric_is_checked_on_the_samples_own_sums_where_all_ones_fail(metric: str) -> None:
+    """train.best_metric learnt the metric names from all-ones sums alone: such a job failed at build with a
+    ZeroDivisionError's traceback on every rank. Now the eval probe's real sums name them: a metric of the job is
+    taken, another refused before the first step, and an eval that lacks it is told so, not a KeyError."""
+    task = OverCountLessOne(n_samples=16, n_eval=4, in_features=4)
+    best = best_eval(task, OmegaConf.create({"best_metric": metric, "best_mode": None}))
+    run = SimpleNamespace(task=task, env=SimpleNamespace(device=torch.device("cpu")), module=torch.nn.Linear(4, 2),
+                          precision=Precision("fp32", "cpu"), compile_watch=SimpleNamespace(enabled=False),
+                          log=SimpleNamespace(warn=print), best=best)
+    refusal = (rf"^train\.best_metric={metric} is not an eval metric of this job \(loss, unbiased\); name one of "
+               rf"them, or null$")
+    if metric == "unbiased":
+        probe_eval(run, "my.Task")
+        assert best.improved(2, {"loss": 1.0, "unbiased": 0.5}) and best.state()["value"] == 0.5
+        with pytest.raises(ConfigError, match=r"^train\.best_metric=unbiased is not an eval metric of this job "
+                                              r"\(loss, other\)"):
+            best.improved(4, {"loss": 1.0, "other": 0.5})
+    else:
+        with pytest.raises(ConfigError, match=refusal):
+            probe_eval(run, "my.Task")

@@ -37,12 +37,20 @@ class Best:
         """Whether this step's eval is the best so far (strictly: of equal ones the first stays); then it is."""
         if not self.metric:
             return False
+        if self.metric not in metrics:  # an eval that reports other names than the first samples' did
+            self.check_among(list(metrics))
         value = metrics[self.metric]
         better = math.isfinite(value) and (self.value is None or
                                             (value > self.value if self.mode == "max" else value < self.value))
         if better:
             self.step, self.value = step, value
         return better
+
+    def check_among(self, names: list[str]) -> None:
+        """Refuse a train.best_metric that the job's eval does not report."""
+        if self.metric and self.metric not in names:
+            raise ConfigError(f"train.best_metric={self.metric} is not an eval metric of this job "
+                              f"({', '.join(names) or 'it has no eval set'}); name one of them, or null")
 
     def state(self) -> dict[str, Any] | None:
         if self.step is None:
@@ -76,11 +84,15 @@ def write_best(run_dir: Path, record: dict[str, Any] | None) -> None:
 
 def best_eval(task: Any, train_cfg: DictConfig) -> Best:
     """train.best_metric, checked against the job's eval metrics before the first step (their names come from
-    eval_metrics, a function of the eval sums)."""
-    metric = train_cfg.best_metric
-    if metric:
-        names = [] if task.eval_set is None else list(task.eval_metrics({k: 1.0 for k in task.eval_sum_keys}))
-        if metric not in names:
-            raise ConfigError(f"train.best_metric={metric} is not an eval metric of this job "
-                             f"({', '.join(names) or 'it has no eval set'}); name one of them, or null")
-    return Best(metric, train_cfg.best_mode)
+    eval_metrics, a function of the eval sums: of sums that are all 1 here, else of the first eval samples' own,
+    where evaluation.probe_eval checks it)."""
+    best = Best(train_cfg.best_metric, train_cfg.best_mode)
+    if best.metric and task.eval_set is None:
+        best.check_among([])
+    elif best.metric:
+        try:
+            names = list(task.eval_metrics({key: 1.0 for key in task.eval_sum_keys}))
+        except Exception:  # noqa: BLE001 - metrics that need real sums (a count of 1 - 1): probe_eval's
+            return best
+        best.check_among(names)
+    return best

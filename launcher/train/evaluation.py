@@ -69,6 +69,7 @@ def probe_eval(run: Run, target: str) -> None:
         if not isinstance(value, (int, float)):  # what metrics.jsonl can hold (numpy's float32 not)
             raise ConfigError(f"{job}: its eval_metrics' {name!r} is {_what(value)}; return Python numbers "
                               f"(float(...) of a tensor)")
+    run.best.check_among(list(metrics))  # train.best_metric, where all-ones sums gave no names (best.best_eval)
 
 
 def _what(value: object) -> str:
