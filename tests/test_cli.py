@@ -101,7 +101,10 @@ def test_indivisible_batch_fails_in_the_parent_with_one_line(tmp_path: Path) -> 
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in out.stderr
     assert "train.global_batch_size=30" in lines[0] and "train.micro_batch_size=8" in lines[0]
-    assert not (tmp_path / "runs" / "toy").exists() or not any((tmp_path / "runs" / "toy").iterdir())
+    assert not (tmp_path / "runs").exists()  # nor the runs/toy/ that Hydra made for it
+    (tmp_path / "runs" / "toy" / "earlier").mkdir(parents=True)  # what was there before the launch stays
+    assert run_cli("+exp=toy", "train.global_batch_size=30", "launcher.nproc_per_node=2", cwd=tmp_path).returncode == 2
+    assert [p.name for p in (tmp_path / "runs" / "toy").iterdir()] == ["earlier"]
 
 
 def test_typo_fails_at_compose_time_naming_the_key(tmp_path: Path) -> None:

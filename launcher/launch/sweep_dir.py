@@ -1,4 +1,5 @@
-"""The sweep dir of a -m launch that fails before any point ran in it: removed, as a refused single run's dir is.
+"""The dirs a refused launch made: the sweep dir of a -m launch that fails before any point ran in it, and the
+empty dirs above a refused run's dir (runs/<name>/ of a first launch), as the run dir itself is removed.
 
 Hydra makes the sweep dir and writes its multirun.yaml before it composes the first point, so a bad override
 (`python -m launcher -m +exp=toy train.lr=1e-3,1e-2`: no such key) left a dir holding only that file behind.
@@ -16,18 +17,41 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
 MADE: list[tuple[Path, Path]] = []  # this launch's sweep dir, and the highest dir above it that it made
+MADE_FOR_RUN: dict[Path, Path] = {}  # a run dir Hydra is about to make: the highest dir it makes with it
 NOT_RUNS = {"multirun.yaml", "slurm"}  # what Hydra and a refused array's submission write there, no point's run dir
 
 
+def highest_new(path: Path) -> Path:
+    """The highest dir of `path` that is not there yet (itself when its parent is)."""
+    made = path
+    while not made.parent.exists():
+        made = made.parent
+    return made
+
+
+def remove_empty_above(path: Path, made: Path) -> None:
+    """The dirs above a removed `path` up to `made`, those still empty."""
+    if path.exists():
+        return
+    for parent in path.parents:
+        if parent == made.parent:
+            break
+        with suppress(OSError):  # not empty: another launch's run or sweep is in it now
+            parent.rmdir()
+
+
 class NewSweepDir(Callback):
-    """Notes the sweep dir of a -m launch that makes it."""
+    """Notes the sweep dir of a -m launch that makes it, and the dirs above a run dir that a launch makes."""
+
+    def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
+        run_dir = Path(config.hydra.run.dir).absolute()  # (Hydra makes it after this call: ${now:} is cached)
+        if not run_dir.exists():
+            MADE_FOR_RUN[run_dir] = highest_new(run_dir)
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
-        sweep_dir = made = Path(config.hydra.sweep.dir).absolute()
-        while not made.parent.exists():  # multirun/<name>/ too, on a first sweep
-            made = made.parent
-        if not sweep_dir.exists():
-            MADE.append((sweep_dir, made))
+        sweep_dir = Path(config.hydra.sweep.dir).absolute()
+        if not sweep_dir.exists():  # multirun/<name>/ too, on a first sweep
+            MADE.append((sweep_dir, highest_new(sweep_dir)))
 
 
 def discard_new_sweep_dir() -> None:
@@ -36,10 +60,5 @@ def discard_new_sweep_dir() -> None:
     for sweep_dir, made in MADE:
         if sweep_dir.is_dir() and {p.name for p in sweep_dir.iterdir()} <= NOT_RUNS:
             shutil.rmtree(sweep_dir, ignore_errors=True)
-        if not sweep_dir.exists():  # (a refused Slurm array's: slurm_submit.discard_queued removed it already)
-            for parent in sweep_dir.parents:
-                if parent == made.parent:
-                    break
-                with suppress(OSError):  # not empty: another launch's sweep is in it now
-                    parent.rmdir()
+        remove_empty_above(sweep_dir, made)  # (a refused Slurm array's: slurm_submit.discard_queued removed it)
     MADE.clear()
