@@ -206,3 +206,23 @@ def test_ctrl_c_while_the_launcher_or_a_worker_starts_is_one_line(tmp_path: Path
                              capture_output=True, text=True, timeout=120)
         assert (out.returncode, out.stdout, out.stderr) == (-signal.SIGINT, "", said), out.stderr[-2000:]
     assert not run_dir.exists()
+
+
+def test_ctrl_c_on_one_node_is_named_there(tmp_path: Path) -> None:
+    """Ctrl-C on the node without rank 0: the run stops with a save, and that node's line said it was preempted by
+    "a signal to another rank" (rank 0's record: rank 0 got none). It names the Ctrl-C there, and the other node's
+    line still says the stop came from elsewhere."""
+    run_dir, port = tmp_path / "shared", free_port()
+    slow = ("train.max_steps=400", "train.log_every=1", "data.sleep_s=0.02")
+    first, second = node(run_dir, port, "launcher.node_rank=0", *slow), node(run_dir, port, "launcher.node_rank=1", *slow)
+    try:
+        wait_until(lambda: logged_step(run_dir) >= 2)
+        second.send_signal(signal.SIGINT)
+        texts = [proc.communicate(timeout=120)[1] for proc in (first, second)]
+    finally:
+        for proc in (first, second):
+            proc.kill()
+            proc.communicate()
+    assert (first.returncode, second.returncode) == (REQUEUE_EXIT_CODE,) * 2, texts
+    assert "preempted by a signal to another rank: checkpoint saved at step" in texts[0], texts[0][-2000:]
+    assert "stopped by SIGINT: checkpoint saved at step" in texts[1], texts[1][-2000:]

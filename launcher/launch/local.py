@@ -198,7 +198,7 @@ def run_agent(config_path: Path, plan: Plan, launcher: DictConfig, rendezvous: l
         (run_dir / COMM_TRACES_DIR).mkdir(exist_ok=True)
     for note in fallback_notes(signals, launcher.shutdown_timeout_s):
         print(note, file=sys.stderr, flush=True)
-    summary_before = summary_stamp(run_dir)
+    summary_before, got = summary_stamp(run_dir), 0  # `got`: a signal this node's agent relayed to its workers
     say_on_ctrl_c("stopped by SIGINT")  # (past this, one that no agent relays comes between runs of a local sweep)
     try:
         started = early_signal() not in signals  # one kept since the launcher started: no worker starts
@@ -208,7 +208,7 @@ def run_agent(config_path: Path, plan: Plan, launcher: DictConfig, rendezvous: l
         with relay_signals(signals), environment(env), left_out_when_said(launcher.max_restarts == 0):
             torchrun.run(torchrun.parse_args(torchrun_args(config_path, plan, launcher, rendezvous)))
     except SignalException as err:  # the agent relayed it and waited for the workers' checkpoint
-        code = 128 + int(err.sigval)
+        code, got = 128 + int(err.sigval), int(err.sigval)
         ended, stop = summary_stamp(run_dir), read_preempted(run_dir)  # summary.json: rank 0's last write, at the end
         if ended is not None and ended != summary_before and not (stop and stop.get("saved", True)):
             print(f"the run ended before {signal.Signals(err.sigval).name} could stop it: nothing to resume", file=sys.stderr)
@@ -246,7 +246,8 @@ def run_agent(config_path: Path, plan: Plan, launcher: DictConfig, rendezvous: l
     else:
         code = 0
     preempted = read_preempted(run_dir)
-    if preempted is not None:
-        print(stop_line(preempted, run_dir, sweep_dir, launcher.name != "slurm"), file=sys.stderr)
+    if preempted is not None:  # rank 0's record: another node's rank 0, where this node's Ctrl-C stopped the run
+        said = {**preempted, "signal": preempted["signal"] or got}
+        print(stop_line(said, run_dir, sweep_dir, launcher.name != "slurm"), file=sys.stderr)
         return REQUEUE_EXIT_CODE
     return code
