@@ -15,6 +15,8 @@ from typing import Any
 
 CHECKPOINTS_DIR = "checkpoints"  # <run_dir>/checkpoints/<step>/: one checkpoint (step_dir)
 MARKER = "COMPLETE"  # in checkpoints/<step>/ once every file of the checkpoint is written
+# in the final checkpoint, after it (its save comes first): the final eval of its weights and the best with it
+EVAL_FILE = "eval.json"
 LAUNCH_FILE = "launch.json"  # the parent writes it into every run dir before any worker starts
 # Keys of model/ and data/ that name a pretrained model: a hub id, a save_pretrained dir, or a run dir
 PRETRAINED_KEYS = ("pretrained", "tokenizer")
@@ -60,6 +62,14 @@ def ended_summary(run_dir: Path, steps: int) -> dict[str, Any] | None:
     except (OSError, ValueError):  # none: the run stopped before its end (or right after its final save)
         return None
     return summary if summary.get("steps") == steps and not summary.get("preempted") else None
+
+
+def checkpoint_eval(checkpoint: Path) -> dict[str, Any] | None:
+    """EVAL_FILE of a checkpoint ({"eval": metrics, "best": best state}), None before its eval was written."""
+    try:
+        return json.loads((checkpoint / EVAL_FILE).read_text())
+    except (OSError, ValueError):  # (a half-written one is none: write_atomically writes none)
+        return None
 
 
 def best_record(run_dir: Path) -> dict[str, Any] | None:

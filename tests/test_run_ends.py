@@ -13,8 +13,9 @@ import pytest
 import torch
 
 from conftest import read_metrics, subprocess_env
-from helpers import finish, start
-from launcher.rundir import complete_steps
+from helpers import bitwise_equal, finish, start, weights
+from launcher.rundir import EVAL_FILE, checkpoint_eval, complete_steps
+from launcher.train.micro_batch import OUT_OF_MEMORY_EXIT_CODE
 
 pytestmark = pytest.mark.slow
 FOUR = ("train.max_steps=4",)
@@ -40,9 +41,9 @@ def rewrite_train_state(step_dir: Path, **changes) -> None:
 
 def test_a_start_after_the_final_save_ends_the_run_once(tmp_path: Path) -> None:
     """Workers that start again after the final save train, evaluate and save nothing: the final save holds the
-    run's final eval, and summary.json (with its time and throughput) stands. Without summary.json (the failure
-    came before it) they write one with the run's final loss and eval. The control: a checkpoint of the last step
-    without its eval, as a preemption saves it, is evaluated then."""
+    run's final eval (beside it, in EVAL_FILE), and summary.json (with its time and throughput) stands. Without
+    summary.json (the failure came before it) they write one with the run's final loss and eval. The control: a
+    checkpoint of the last step without its eval, as a preemption saves it, is evaluated then."""
     run_dir = tmp_path / "run"
     finish(start(run_dir, *FOUR), 0)
     summary, metrics = (run_dir / "summary.json").read_text(), (run_dir / "metrics.jsonl").read_text()
@@ -58,12 +59,35 @@ def test_a_start_after_the_final_save_ends_the_run_once(tmp_path: Path) -> None:
     assert (again["final_loss"], again["eval"], again["resumed_from"]) == (first["final_loss"], first["eval"], 4)
     assert complete_steps(run_dir) == [4]
 
-    rewrite_train_state(run_dir / "checkpoints" / "4", final_eval=None)
+    (run_dir / "checkpoints" / "4" / EVAL_FILE).unlink()
     (run_dir / "summary.json").unlink()
     finish(start(run_dir, *FOUR), 0)
     evals = [m["eval"] for m in read_metrics(run_dir) if "eval" in m]
     assert evals == [first["eval"]] * 2  # evaluated again, as the weights are the same: the same numbers
     assert json.loads((run_dir / "summary.json").read_text())["final_loss"] == first["final_loss"]
+    assert checkpoint_eval(run_dir / "checkpoints" / "4")["eval"] == first["eval"]  # a next start finds it
+
+
+def test_a_final_eval_that_fails_loses_no_step(tmp_path: Path) -> None:
+    """The final save came after the final eval: an eval that failed there lost every step since the checkpoint
+    before (here all 8: train.ckpt_every=20). Rank 1 runs out of memory on eval batches of more than 2 samples,
+    where training fits: the run exits for a relaunch at half the micro-batch (train.micro_batch_size=auto), its
+    final checkpoint complete; the same command evaluates it, trains no step, and ends as the run whose eval fit."""
+    run_dir, reference = tmp_path / "run", tmp_path / "reference"
+    common = ("train.max_steps=8", "train.micro_batch_size=auto", "train.max_micro_batch_size=4",
+              "model.dtype=float64", "data.dtype=float64")
+    oom = ("data.oom_rank=1", "data.oom_max_items=2", "data.oom_from_call=1000000", "data.oom_in_eval=true")
+    finish(start(reference, *common), 0)
+    out = finish(start(run_dir, *common, *oom), OUT_OF_MEMORY_EXIT_CODE)
+    assert "rank 1 ran out of memory in final eval after step 8" in out.strip().splitlines()[-1], out[-2000:]
+    assert complete_steps(run_dir) == [8] and checkpoint_eval(run_dir / "checkpoints" / "8") is None
+    out = finish(start(run_dir, *common, *oom), 0)
+    assert "resumed from step 8" in out and "done: the run had trained its 8 steps before this start" in out
+    assert bitwise_equal(weights(run_dir, 8), weights(reference, 8))
+    ran, fitted = (json.loads((d / "summary.json").read_text()) for d in (run_dir, reference))
+    assert ran["micro_batch_size"] == 2 and fitted["micro_batch_size"] == 4
+    assert ran["eval"]["loss"] == pytest.approx(fitted["eval"]["loss"], rel=1e-12)
+    assert checkpoint_eval(run_dir / "checkpoints" / "8")["eval"] == ran["eval"]
 
 
 def test_an_evaluation_without_training_runs_once_per_config(tmp_path: Path) -> None:
@@ -101,7 +125,8 @@ def test_a_preemption_at_an_eval_step_evaluates_on_resume(tmp_path: Path) -> Non
     finish(start(run_dir, *FOUR, *evals), 0)
     step_dir = run_dir / "checkpoints" / "4"
     progress = torch.load(step_dir / "train_state.pt", weights_only=True)["progress"]
-    rewrite_train_state(step_dir, final_eval=None, progress={**progress, "eval_due": True})
+    rewrite_train_state(step_dir, progress={**progress, "eval_due": True})
+    (step_dir / EVAL_FILE).unlink()
     records = [r for r in read_metrics(run_dir) if not ("eval" in r and r["step"] == 4)]  # as the preemption left
     (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))  # them: step 4 logged
     finish(start(run_dir, "train.max_steps=8", "resume.allow_config_change=true", *evals), 0)

@@ -22,8 +22,9 @@ import torch
 from safetensors.torch import load_model, save_model
 
 from launcher.derived import ConfigError
-from launcher.rundir import (CHECKPOINTS_DIR, MARKER, PRETRAINED_FILE, PRETRAINED_KEYS, best_record, complete_steps,
-                             is_run_dir, pinned_checkpoint, pinned_pretrained, step_dir, write_atomically)
+from launcher.rundir import (CHECKPOINTS_DIR, EVAL_FILE, MARKER, PRETRAINED_FILE, PRETRAINED_KEYS, best_record,
+                             checkpoint_eval, complete_steps, is_run_dir, pinned_checkpoint, pinned_pretrained,
+                             step_dir, write_atomically)
 from launcher.train import sharded_checkpoint, sharding
 from launcher.train.background_save import BackgroundSave, HostWeights
 from launcher.train.dist import all_gather_objects, every_rank, on_rank_0
@@ -143,10 +144,22 @@ def _write(run_dir: Path, step: int, model: torch.nn.Module | HostWeights | None
     shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)  # atomic: a reader sees no dir or a complete one
     _fsync(root)
+    _retain(run_dir, keep, also_keep, step)
+
+
+def _retain(run_dir: Path, keep: int, also_keep: int | None, step: int) -> None:
+    """Rank 0: the newest `keep` checkpoints stay, that of `also_keep` (the best) and of `step` too."""
     for old in complete_steps(run_dir)[:-keep]:
         if old not in (also_keep, step):  # marker first: a dir half deleted (NFS keeps files in use) is none
             (step_dir(run_dir, old) / MARKER).unlink(missing_ok=True)  # (a resume deletes what is left)
             shutil.rmtree(step_dir(run_dir, old), ignore_errors=True)  # the save stands
+
+
+def write_eval(run_dir: Path, step: int, metrics: dict[str, float], best: dict[str, Any] | None, keep: int) -> None:
+    """Rank 0, after the final eval: its metrics and the best with it, beside the final checkpoint's weights (written
+    before the eval). A best that moved to this checkpoint lets the one it replaced go, as a save after it would."""
+    write_atomically(step_dir(run_dir, step) / EVAL_FILE, json.dumps({"eval": metrics, "best": best}) + "\n")
+    _retain(run_dir, keep, best and best["step"], step)
 
 
 def _tmp_dir(run_dir: Path, step: int) -> Path:
@@ -208,7 +221,11 @@ def load_latest(run_dir: Path, model: torch.nn.Module, warn: Callable[[str], Non
         sharding.load_full_weights(model, chosen / "model.safetensors")
     else:
         load_model(model, str(chosen / "model.safetensors"))
-    return torch.load(chosen / "train_state.pt", weights_only=True, map_location="cpu")
+    state = torch.load(chosen / "train_state.pt", weights_only=True, map_location="cpu")
+    evaluated = checkpoint_eval(chosen)  # the final eval of these weights, written after them
+    if evaluated is not None:
+        state.update(final_eval=evaluated["eval"], best=evaluated["best"])
+    return state
 
 
 def _resume_point(run_dir: Path, warn: Callable[[str], None]) -> int | None:

@@ -45,7 +45,7 @@ def train(run: Run, progress: Progress, stop: StopFlag, final_eval: dict[str, fl
 
     A preemption request reaches every rank in the next step's all-reduce; the host reads it one step
     later (launcher/train/ledger.py), and there every rank saves the same complete checkpoint and stops.
-    `final_eval`: the eval that the resumed checkpoint holds when it is the run's final save.
+    `final_eval`: the final eval written beside the resumed checkpoint (launcher/rundir.py EVAL_FILE), if any.
     """
     resumed_from, resumed_samples = progress.step, progress.samples
     if progress.eval_due:  # the preemption's checkpoint holds the weights that eval was due on
@@ -177,10 +177,15 @@ def run_facts(run: Run, progress: Progress, first_step_at: float | None,
 
 
 def finish(run: Run, progress: Progress, summary: dict[str, Any], final_eval: dict[str, float] | None) -> None:
-    """The run's end (not a preemption's): the final eval, the final save and summary.json, into `summary`.
-    A start after the final save (workers restarted on their way out) finds the run's end in its checkpoint
-    (`final_eval`); a preemption's checkpoint of the last step holds no eval."""
+    """The run's end (not a preemption's): the final save, the final eval and summary.json, into `summary`. The
+    save comes first: an eval that fails at the end (out of memory, a fault in the job's eval) loses no step, and
+    the next start evaluates those weights. The eval is then written beside them (rundir.EVAL_FILE), so a
+    start after it (workers restarted on their way out) finds the run's end there (`final_eval`)."""
     resumed_from = summary["resumed_from"]
+    if progress.step > resumed_from:  # else the final checkpoint is already there
+        save_checkpoint(run, progress, complete=True)
+    else:
+        checkpoint.wait_for_background(run.background_save)  # (none is in flight: no step was trained)
     ended_before = final_eval is not None and progress.step == resumed_from
     if ended_before:
         summary["eval"] = final_eval
@@ -192,12 +197,10 @@ def finish(run: Run, progress: Progress, summary: dict[str, Any], final_eval: di
             run.log.metrics({"step": progress.step, "eval": summary["eval"]}, run.max_steps)
             if progress.step:  # (train.max_steps=0 has no checkpoint to keep)
                 run.best.improved(progress.step, summary["eval"])
-    if progress.step > resumed_from:  # else the final checkpoint is already there
-        save_checkpoint(run, progress, final_eval=summary["eval"], complete=True)
-    else:
-        checkpoint.wait_for_background(run.background_save)  # (none is in flight: no step was trained)
-        if run.env.is_main and progress.step:  # the eval of the resumed checkpoint may have made it the best
-            run.best.write(run.run_dir)
+        if run.env.is_main and progress.step:
+            checkpoint.write_eval(run.run_dir, progress.step, summary["eval"], run.best.state(), run.keep_checkpoints)
+    if run.env.is_main and progress.step:  # this eval, or that of the resumed checkpoint, may be the best
+        run.best.write(run.run_dir)
     # train.max_steps=0 evaluates only: no step, no checkpoint
     summary["checkpoint"] = str(step_dir(run.run_dir, progress.step)) if progress.step else None
     if run.best.metric and progress.step:
@@ -224,11 +227,9 @@ def step_ledger(run: Run, progress: Progress) -> StepLedger:
     return StepLedger(progress, run.scheduler, run.max_bad_steps, run.run_dir)
 
 
-def save_checkpoint(run: Run, progress: Progress, final_eval: dict[str, float] | None = None,
-                    complete: bool = False) -> None:
+def save_checkpoint(run: Run, progress: Progress, complete: bool = False) -> None:
     """All ranks enter (RNG states are gathered); rank 0 writes checkpoints/<step>/, in the background with
-    train.ckpt_async unless `complete` (the final save, a preemption's), which returns once it is written.
-    `final_eval`: the final save's eval, so that a start from it does not record the run's end again."""
+    train.ckpt_async unless `complete` (the final save, a preemption's), which returns once it is written."""
     run.watchdog.at("checkpoint", progress.step)
     same_buffers(run.module)  # the checkpoint's buffers are every rank's: a resume goes on as the run would have
     write_model_files = getattr(run.task, "write_model_files", None)  # optional in the Task interface
@@ -245,7 +246,7 @@ def save_checkpoint(run: Run, progress: Progress, final_eval: dict[str, float] |
         if run.background_save is not None:
             sharded_checkpoint.make_host_mesh(run.module)
     try:
-        checkpoint.save(run.run_dir, progress.step, weights, train_state(run, progress, final_eval),
+        checkpoint.save(run.run_dir, progress.step, weights, train_state(run, progress),
                         run.keep_checkpoints, run.env.device, also_keep=run.best.step, background=run.background_save,
                         model_files=write_model_files and (lambda directory: write_model_files(run.module, directory)),
                         then=partial(write_best, run.run_dir, best),
@@ -256,10 +257,10 @@ def save_checkpoint(run: Run, progress: Progress, final_eval: dict[str, float] |
         training_timeout(run.timeout_s)
 
 
-def train_state(run: Run, progress: Progress, final_eval: dict[str, float] | None = None) -> dict[str, Any]:
+def train_state(run: Run, progress: Progress) -> dict[str, Any]:
     """Everything besides the weights that an exact resume needs (RNG states are added by the save)."""
     sharded = sharding.is_sharded(run.module)  # strategy=fsdp: the moments are written in shards, beside
-    return {"progress": asdict(progress), "final_eval": final_eval, "best": run.best.state(),
+    return {"progress": asdict(progress), "best": run.best.state(),
             "optimizer": (sharded_checkpoint.without_moments(run.optimizer.state_dict()) if sharded
                           else run.optimizer.state_dict()),
             "optimizer_moments": sharded_checkpoint.SHARDS if sharded else None,
