@@ -16,6 +16,7 @@ from jobs.toy import ToyRegression
 from launcher.derived import ConfigError
 from launcher.train.best import Best, best_eval
 from launcher.train.evaluation import probe_eval
+from launcher.train.loss_check import probe_loss_sum
 from launcher.train.job import build_part, check_task
 from launcher.train.precision import Precision
 
@@ -167,3 +168,25 @@ def test_best_metric_is_checked_on_the_samples_own_sums_where_all_ones_fail(metr
     else:
         with pytest.raises(ConfigError, match=refusal):
             probe_eval(run, "my.Task")
+
+
+class SeesAutocast(ToyRegression):
+    """Eval sums that note whether autocast was on: a count of argmax hits in bf16 may flip between two samples
+    together and each alone (a fresh head's logits are near ties), which the probe would take for a mean."""
+
+    def eval_sums(self, model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        self.autocast.append(torch.is_autocast_enabled("cpu"))
+        return super().eval_sums(model, batch)
+
+
+def test_the_eval_sums_probe_runs_at_the_weights_own_precision() -> None:
+    """precision=bf16: the mean-or-sum probe of eval_sums compares its four forwards at fp32 (the weights'), not
+    in bf16 autocast, where a count of argmax hits could flip and warn of a mean that is none."""
+    task = SeesAutocast(n_samples=16, n_eval=4, in_features=4, out_features=2)
+    task.autocast = []
+    model = torch.nn.Linear(4, 2)
+    run = SimpleNamespace(task=task, env=SimpleNamespace(device=torch.device("cpu")), module=model, model=model,
+                          precision=Precision("bf16", "cpu"), compile_watch=SimpleNamespace(enabled=False),
+                          log=SimpleNamespace(warn=print))
+    probe_loss_sum(run, "my.Task")
+    assert task.autocast == [False] * 4
