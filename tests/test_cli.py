@@ -105,6 +105,11 @@ def test_indivisible_batch_fails_in_the_parent_with_one_line(tmp_path: Path) -> 
     (tmp_path / "runs" / "toy" / "earlier").mkdir(parents=True)  # what was there before the launch stays
     assert run_cli("+exp=toy", "train.global_batch_size=30", "launcher.nproc_per_node=2", cwd=tmp_path).returncode == 2
     assert [p.name for p in (tmp_path / "runs" / "toy").iterdir()] == ["earlier"]
+    # a run dir of Hydra's own values (read once Hydra has set them: no warning of the dirs' callback), `..` in it
+    out = run_cli("+exp=toy", "train.global_batch_size=30", "launcher.nproc_per_node=2",
+                  "hydra.run.dir=named/../hydra_named/${hydra:job.name}/1", cwd=tmp_path)
+    assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1, out.stderr
+    assert not (tmp_path / "hydra_named").exists()
 
 
 def test_typo_fails_at_compose_time_naming_the_key(tmp_path: Path) -> None:

@@ -37,7 +37,7 @@ from launcher.launch.run_log import kept_in
 from launcher.launch.shadowed_config import check_shadowed_configs, chosen_configs
 from launcher.launch.slurm_jobs import active_job, job_goes_on
 from launcher.launch.slurm_submit import dependency, queue
-from launcher.launch.sweep_dir import MADE_FOR_RUN, remove_empty_above
+from launcher.launch.sweep_dir import MADE_FOR_RUN, absolute, remove_empty_above
 from launcher.launch.sweep_points import check_every_point, goes_on_after, show_held
 from launcher.launch.target_check import check_targets, job_files
 from launcher.launch.tracker_start import hydra_point, mark_failed, start_trackers
@@ -88,9 +88,9 @@ def discard_if_fresh(run_dir: Path) -> None:
     """Leave no half-made run dir behind a config error; never touch one that holds a run."""
     if run_dir.is_dir() and {p.name for p in run_dir.iterdir()} <= FRESH_RUN_DIR:
         shutil.rmtree(run_dir)
-        made = MADE_FOR_RUN.get(run_dir.absolute())
+        made = MADE_FOR_RUN.get(absolute(run_dir))
         if made is not None:  # runs/<name>/ of a first launch of <name>: no empty dir either
-            remove_empty_above(run_dir.absolute(), made)
+            remove_empty_above(absolute(run_dir), made)
 
 
 def shared_run_dir(nnodes: int) -> None:

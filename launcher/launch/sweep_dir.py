@@ -8,17 +8,24 @@ after a failed launch. Exercised by: tests/test_cli.py.
 """
 from __future__ import annotations
 
+import os
 import shutil
 from contextlib import suppress
 from pathlib import Path
 from typing import Any
 
+from hydra.core.hydra_config import HydraConfig
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
 MADE: list[tuple[Path, Path]] = []  # this launch's sweep dir, and the highest dir above it that it made
 MADE_FOR_RUN: dict[Path, Path] = {}  # a run dir Hydra is about to make: the highest dir it makes with it
 NOT_RUNS = {"multirun.yaml", "slurm"}  # what Hydra and a refused array's submission write there, no point's run dir
+
+
+def absolute(path: str | Path) -> Path:
+    """As the run's output_dir is (os.path.abspath: `..` resolved, links kept), to key MADE_FOR_RUN by."""
+    return Path(os.path.abspath(path))
 
 
 def highest_new(path: Path) -> Path:
@@ -44,12 +51,20 @@ class NewSweepDir(Callback):
     """Notes the sweep dir of a -m launch that makes it, and the dirs above a run dir that a launch makes."""
 
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
-        run_dir = Path(config.hydra.run.dir).absolute()  # (Hydra makes it after this call: ${now:} is cached)
+        try:  # Hydra sets its config (which ${hydra:job.name} in the run dir reads) and makes the dir after this call
+            HydraConfig.instance().set_config(config)
+            run_dir = absolute(config.hydra.run.dir)  # (${now:} is cached: the same dir)
+        except Exception:  # noqa: BLE001 - a dir we cannot tell: nothing noted, Hydra's own error tells of it
+            return
         if not run_dir.exists():
             MADE_FOR_RUN[run_dir] = highest_new(run_dir)
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
-        sweep_dir = Path(config.hydra.sweep.dir).absolute()
+        try:
+            HydraConfig.instance().set_config(config)
+            sweep_dir = absolute(config.hydra.sweep.dir)
+        except Exception:  # noqa: BLE001 - as on_run_start
+            return
         if not sweep_dir.exists():  # multirun/<name>/ too, on a first sweep
             MADE.append((sweep_dir, highest_new(sweep_dir)))
 

@@ -25,8 +25,8 @@ if TYPE_CHECKING:
 def probe_eval(run: Run, target: str) -> None:
     """The job's eval parts on its first two eval samples, before the first step (every rank, one forward each): a
     sum missing from what eval_sums returns, or metrics that are not numbers, failed only at the first eval, and
-    with train.eval_every=0 after the last step, before its checkpoint: the whole run lost. ConfigError names the
-    part. The random streams are left as they were (a job's collate may draw from them)."""
+    with train.eval_every=0 only after the last step: a whole run's time spent before the fault showed. ConfigError
+    names the part. The random streams are left as they were (a job's collate may draw from them)."""
     task, job = run.task, f"data._target_={target}"
     with eval_mode(run), random_streams_kept(run.env.device), run.precision.autocast():
         samples = [task.eval_set[i] for i in range(min(2, len(task.eval_set)))]  # (a dataset may draw as it reads)
@@ -56,7 +56,7 @@ def probe_eval(run: Run, target: str) -> None:
             fault = None
         except Exception as error:  # noqa: BLE001 - told below if the real sums fail so too
             fault = error
-    if fault is not None:  # a KeyError, a name: the first eval would fail so, or the last, unsaved
+    if fault is not None:  # a KeyError, a name: the first eval would fail so, or the last one
         said = next((line for line in str(fault).splitlines() if line.strip()), "")
         raise ConfigError(f"{job}: its eval_metrics failed on the sums of its first eval samples: "
                           f"{type(fault).__name__}: {said}") from fault
