@@ -51,6 +51,13 @@ def test_the_best_eval_s_checkpoint_outlives_the_rotation_and_a_resume(tmp_path:
                             text=True, env=subprocess_env())
     assert f" loss={value:.4g}@{step} " in status.stdout.splitlines()[1], status.stdout + status.stderr
 
+    # The final eval the best (best_mode=min of the falling loss): the best it replaced goes, best.json names it
+    last = tmp_path / "last"
+    finish(start(last, "train.max_steps=6", *best[:4], "train.best_mode=min"), 0)
+    evals = [(m["step"], m["eval"]["loss"]) for m in read_metrics(last) if "eval" in m]
+    assert [step for step, _ in evals] == [2, 4, 6] and min(evals, key=lambda e: e[1])[0] == 6
+    assert complete_steps(last) == [6] and json.loads((last / "best.json").read_text())["step"] == 6
+
     following = tmp_path / "next"
     following.mkdir()
     choose = lambda: checkpoint._choose_pretrained(following, {"model": {"pretrained": str(run_dir)}},  # noqa: E731

@@ -175,6 +175,13 @@ def test_resume_policies_fail_fast_in_the_parent(tmp_path: Path) -> None:
                                   f"hydra.run.dir={done}", cwd=tmp_path))
     assert line == (f"error: the latest checkpoint in {done} is step 30, past train.max_steps=10; raise "
                     f"train.max_steps, or use a new hydra.run.dir")
+    # a config change the weights cannot follow: one line from the workers, before any tensor is copied
+    out = run_cli(*COMMON, "train.max_steps=40", "model.hidden=16", "resume.allow_config_change=true",
+                  f"hydra.run.dir={done}", cwd=tmp_path)
+    line = out.stderr.strip()
+    assert out.returncode == 1 and re.fullmatch(rf"error: rank \d failed: ConfigError: the checkpoint {done}/checkpoints/30 does not fit this "
+                        r"model: 0\.bias is \[32\] there, \[16\] here; 0\.weight is \[32, 8\] there, \[16, 8\] here; 2\.weight .*; resume\.allow_config_change=true "
+                        r"lets a run's config change, not its weights' shapes: .*", line), line
 
 
 def test_consecutive_non_finite_steps_stop_the_run(tmp_path: Path) -> None:
@@ -192,6 +199,11 @@ def test_consecutive_non_finite_steps_stop_the_run(tmp_path: Path) -> None:
     status = subprocess.run([sys.executable, "-m", "launcher.launch.status", str(tmp_path / "nan")],
                             capture_output=True, text=True, env=subprocess_env())
     assert status.returncode == 0 and "FAILED" in status.stdout and " inf/nan " in status.stdout, status.stderr[-2000:]
+    # fewer steps than train.max_bad_steps, all skipped: the run ends, and says its weights are the initial ones
+    short = run_cli(*COMMON, "data.noise=nan", "train.max_steps=2", "train.max_bad_steps=3",
+                    f"hydra.run.dir={tmp_path / 'short'}", cwd=tmp_path)
+    assert short.returncode == 0 and short.stderr.count("warning: all 2 steps had non-finite gradients and were "
+                                                        "skipped: the weights are the initial ones") == 1, short.stderr
 
 
 def test_batch_norm_statistics_are_rank_0_s_at_evals_and_checkpoints_so_a_resume_evaluates_the_same(

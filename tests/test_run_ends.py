@@ -8,6 +8,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from unittest.mock import ANY
 
 import pytest
 import torch
@@ -66,6 +67,12 @@ def test_a_start_after_the_final_save_ends_the_run_once(tmp_path: Path) -> None:
     assert evals == [first["eval"]] * 2  # evaluated again, as the weights are the same: the same numbers
     assert json.loads((run_dir / "summary.json").read_text())["final_loss"] == first["final_loss"]
     assert checkpoint_eval(run_dir / "checkpoints" / "4")["eval"] == first["eval"]  # a next start finds it
+    # A final checkpoint without its eval (the eval failed), resumed with more steps: its eval comes first, as a
+    # preemption's at an eval step (else no eval of step 4 would ever be made)
+    (run_dir / "checkpoints" / "4" / EVAL_FILE).unlink()
+    (run_dir / "summary.json").unlink()
+    finish(start(run_dir, "train.max_steps=6", "resume.allow_config_change=true"), 0)
+    assert [(m["step"], m["eval"]) for m in read_metrics(run_dir) if "eval" in m][2:] == [(4, first["eval"]), (6, ANY)]
 
 
 def test_a_final_eval_that_fails_loses_no_step(tmp_path: Path) -> None:

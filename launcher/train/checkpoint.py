@@ -12,12 +12,10 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import random
 import shutil
 from pathlib import Path
 from typing import Any, Callable
 
-import numpy as np
 import torch
 from safetensors.torch import load_model, save_model
 
@@ -25,33 +23,9 @@ from launcher.derived import ConfigError
 from launcher.rundir import (CHECKPOINTS_DIR, EVAL_FILE, MARKER, PRETRAINED_FILE, PRETRAINED_KEYS, best_record,
                              checkpoint_eval, complete_steps, is_run_dir, pinned_checkpoint, pinned_pretrained,
                              step_dir, write_atomically)
-from launcher.train import sharded_checkpoint, sharding
+from launcher.train import rng, sharded_checkpoint, sharding
 from launcher.train.background_save import BackgroundSave, HostWeights
 from launcher.train.dist import all_gather_objects, every_rank, on_rank_0
-
-
-def rng_state(device: torch.device) -> dict[str, Any]:
-    """This rank's random state: CPU generators, and the CUDA generator of its own GPU only (a rank may
-    see other GPUs, and after a change of node shape the same rank index sits on another one)."""
-    np_name, np_keys, np_pos, np_gauss, np_cached = np.random.get_state()
-    state = {"torch": torch.get_rng_state(), "python": random.getstate(),
-             "numpy": [np_name, np_keys.tolist(), np_pos, np_gauss, np_cached]}
-    if device.type == "cuda":
-        state["cuda"] = torch.cuda.get_rng_state(device)
-    return state
-
-
-def set_rng_state(state: dict[str, Any], device: torch.device) -> None:
-    torch.set_rng_state(state["torch"])
-    random.setstate(state["python"])
-    name, keys, pos, gauss, cached = state["numpy"]
-    np.random.set_state((name, np.array(keys, dtype=np.uint32), pos, gauss, cached))
-    if device.type == "cuda" and "cuda" in state:  # a CPU run's checkpoint has none: CUDA's stays seeded
-        cuda = state["cuda"]
-        if isinstance(cuda, list):  # an older launcher's checkpoint: every visible GPU's state, by index
-            cuda = cuda[device.index] if device.index < len(cuda) else None
-        if cuda is not None:
-            torch.cuda.set_rng_state(cuda, device)
 
 
 def _sha256(path: Path) -> str:
@@ -81,7 +55,7 @@ def save(run_dir: Path, step: int, model: torch.nn.Module, train_state: dict[str
     The newest `keep` checkpoints stay, and the one of step `also_keep` (train.best_metric's best).
     `model_files` writes what the job keeps beside the weights (a transformers job: config.json and the
     tokenizer, which make the checkpoint a save_pretrained dir); `then` runs on rank 0 once the save is complete."""
-    rng_states = all_gather_objects(rng_state(device))
+    rng_states = all_gather_objects(rng.rng_state(device))
     final = step_dir(run_dir, step)
     state = {**train_state, "rng": rng_states}
     is_main = torch.distributed.get_rank() == 0
@@ -213,27 +187,51 @@ def load_latest(run_dir: Path, model: torch.nn.Module, warn: Callable[[str], Non
     Weights are read to the CPU and copied into the parameters wherever they live; the train state stays
     on the CPU (optimizer.load_state_dict moves its tensors to the parameters' device, and RNG states must
     be CPU byte tensors), so a checkpoint written on GPUs loads on a CPU plan and the other way round."""
-    step = on_rank_0(lambda: _resume_point(run_dir, warn))
-    if step is None:
+    found = on_rank_0(lambda: _resume_point(run_dir, warn))
+    if found is None:
         return None
+    step, evaluated = found  # (rank 0's read of its eval: a file system's cache may show another rank none yet)
     chosen = step_dir(run_dir, step)  # under this node's own path to the run dir
+    _check_fits(model, chosen / "model.safetensors")
     if sharding.is_sharded(model):  # strategy=fsdp: each rank keeps its rows of the full tensors
         sharding.load_full_weights(model, chosen / "model.safetensors")
     else:
         load_model(model, str(chosen / "model.safetensors"))
     state = torch.load(chosen / "train_state.pt", weights_only=True, map_location="cpu")
-    evaluated = checkpoint_eval(chosen)  # the final eval of these weights, written after them
-    if evaluated is not None:
+    if evaluated is not None:  # the final eval of these weights, written after them: none is due
         state.update(final_eval=evaluated["eval"], best=evaluated["best"])
+        state["progress"]["eval_due"] = False
     return state
 
 
-def _resume_point(run_dir: Path, warn: Callable[[str], None]) -> int | None:
-    """Rank 0's part of load_latest. What no resume reads goes: the temp dirs of saves that were killed (each
-    as big as a checkpoint), what the retention could not delete, and the unusable checkpoints newer than the
-    one chosen, moved aside to checkpoints/.unusable-<step>: the retention of later saves counts by step, so
-    it would keep them as the newest and delete the new checkpoints. A run none of whose checkpoints reads
-    back does not start over."""
+def _check_fits(model: torch.nn.Module, weights: Path) -> None:
+    """A checkpoint of another model (model.hidden changed under resume.allow_config_change=true) stops in one line
+    naming the tensors that differ, before any is copied: load_state_dict listed them under a traceback on every
+    rank. A name the file leaves out must be tied to one it holds (safetensors saves tied weights once)."""
+    from safetensors import safe_open
+
+    targets = model.state_dict(keep_vars=True)  # (strategy=fsdp: DTensors, of the full shapes)
+    with safe_open(str(weights), framework="pt") as tensors:
+        shapes = {name: list(tensors.get_slice(name).get_shape()) for name in tensors.keys()}
+    loaded = {id(targets[name]) for name in shapes if name in targets}
+    problems = [f"{name} is {shapes[name]} there, {list(targets[name].shape)} here" for name in shapes
+                if name in targets and shapes[name] != list(targets[name].shape)]
+    problems += [f"{name} is not in this model" for name in sorted(set(shapes) - set(targets))]
+    problems += [f"{name} is not in the checkpoint" for name, target in targets.items()
+                 if name not in shapes and id(target) not in loaded]
+    if problems:
+        more = f" and {len(problems) - 3} more" if len(problems) > 3 else ""
+        raise ConfigError(f"the checkpoint {weights.parent} does not fit this model: {'; '.join(problems[:3])}{more}; "
+                          f"resume.allow_config_change=true lets a run's config change, not its weights' shapes: "
+                          f"restore the model's config (the run dir's config.yaml), or train it in a new run dir")
+
+
+def _resume_point(run_dir: Path, warn: Callable[[str], None]) -> tuple[int, dict[str, Any] | None] | None:
+    """Rank 0's part of load_latest: the step to resume and its final eval (rundir.EVAL_FILE), if any. What no
+    resume reads goes: the temp dirs of saves that were killed (each as big as a checkpoint), what the retention
+    could not delete, and the unusable checkpoints newer than the one chosen, moved aside to
+    checkpoints/.unusable-<step>: the retention of later saves counts by step, so it would keep them as the
+    newest and delete the new checkpoints. A run none of whose checkpoints reads back does not start over."""
     root = run_dir / CHECKPOINTS_DIR
     unmarked = [d for d in root.glob("*") if d.name.isdigit() and not (d / MARKER).exists()]  # retention's rest
     for leftover in [*root.glob(".tmp-*"), *unmarked]:
@@ -250,7 +248,7 @@ def _resume_point(run_dir: Path, warn: Callable[[str], None]) -> int | None:
                          f"again to train from step 0, or put a good copy back")
     if unusable:
         warn(f"warning: moved the unusable checkpoints aside to {where}; delete them once looked at")
-    return chosen and int(chosen.name)
+    return None if chosen is None else (int(chosen.name), checkpoint_eval(chosen))
 
 
 def pretrained_sources(run_dir: Path, sections: dict[str, Any], resume: bool,

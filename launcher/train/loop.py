@@ -48,11 +48,13 @@ def train(run: Run, progress: Progress, stop: StopFlag, final_eval: dict[str, fl
     `final_eval`: the final eval written beside the resumed checkpoint (launcher/rundir.py EVAL_FILE), if any.
     """
     resumed_from, resumed_samples = progress.step, progress.samples
-    if progress.eval_due:  # the preemption's checkpoint holds the weights that eval was due on
+    # The checkpoint holds the weights an eval was due on: a preemption's at an eval step, or the final one of a run
+    # whose final eval did not end (then resumed with a larger train.max_steps; at max_steps finish evaluates them)
+    if progress.eval_due and progress.step < run.max_steps:
         best_now = record_eval(run, progress.step)  # every rank
         if best_now and run.env.is_main:  # its checkpoint (the resumed one) is the best
             run.best.write(run.run_dir)
-        progress.eval_due = False
+    progress.eval_due = False
     stream = window_stream(run, progress, stop)
     meter = Meter(run.env.device, training_flops_per_item(run.module),
                   peak_flops(run.env.device, run.precision.name, run.precision.tf32), run.env.rank, run.env.world_size,
@@ -182,8 +184,14 @@ def finish(run: Run, progress: Progress, summary: dict[str, Any], final_eval: di
     the next start evaluates those weights. The eval is then written beside them (rundir.EVAL_FILE), so a
     start after it (workers restarted on their way out) finds the run's end there (`final_eval`)."""
     resumed_from = summary["resumed_from"]
+    if progress.step and progress.skipped_steps == progress.step:  # fewer steps than train.max_bad_steps, all skipped
+        run.log.warn(f"warning: all {progress.step} steps had non-finite gradients and were skipped: the weights are "
+                     f"the initial ones; lower optimizer.lr, or look for inf or nan in the data")
     if progress.step > resumed_from:  # else the final checkpoint is already there
+        # its eval, until eval.json is beside it (a resume past max_steps does it first)
+        progress.eval_due = run.task.eval_set is not None
         save_checkpoint(run, progress, complete=True)
+        progress.eval_due = False
     else:
         checkpoint.wait_for_background(run.background_save)  # (none is in flight: no step was trained)
     ended_before = final_eval is not None and progress.step == resumed_from
@@ -197,10 +205,10 @@ def finish(run: Run, progress: Progress, summary: dict[str, Any], final_eval: di
             run.log.metrics({"step": progress.step, "eval": summary["eval"]}, run.max_steps)
             if progress.step:  # (train.max_steps=0 has no checkpoint to keep)
                 run.best.improved(progress.step, summary["eval"])
-        if run.env.is_main and progress.step:
+    if run.env.is_main and progress.step:  # this eval, or that of the resumed checkpoint, may be the best:
+        run.best.write(run.run_dir)  # best.json first, before write_eval's retention lets the one it replaced go
+        if not ended_before:
             checkpoint.write_eval(run.run_dir, progress.step, summary["eval"], run.best.state(), run.keep_checkpoints)
-    if run.env.is_main and progress.step:  # this eval, or that of the resumed checkpoint, may be the best
-        run.best.write(run.run_dir)
     # train.max_steps=0 evaluates only: no step, no checkpoint
     summary["checkpoint"] = str(step_dir(run.run_dir, progress.step)) if progress.step else None
     if run.best.metric and progress.step:

@@ -8,7 +8,7 @@ from dataclasses import replace
 from typing import Any
 
 from launcher.rundir import step_dir
-from launcher.train import checkpoint, sharded_checkpoint, sharding
+from launcher.train import rng, sharded_checkpoint, sharding
 from launcher.train.data import rank_seed, seed_all
 from launcher.train.ledger import Progress
 from launcher.train.run import Run
@@ -45,7 +45,7 @@ def restore(run: Run, state: dict[str, Any] | None, seed: int, allow_config_chan
                      f"train set at every step, a cost that grows with it); a new run dir reads its order in O(batch)")
     run.best.load(state.get("best"))
     if len(state["rng"]) == run.env.world_size:  # the same ranks: continue each rank's random stream
-        checkpoint.set_rng_state(state["rng"][run.env.rank], run.env.device)
+        rng.set_rng_state(state["rng"][run.env.rank], run.env.device)
     else:  # another world size: fresh, still deterministic per-rank streams
         seed_all(rank_seed(seed, run.env.rank, progress.step))
     run.log.info(f"resumed from step {progress.step} ({step_dir(run.run_dir, progress.step)})")
