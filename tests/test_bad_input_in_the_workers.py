@@ -190,3 +190,7 @@ def test_the_eval_sums_probe_runs_at_the_weights_own_precision() -> None:
                           log=SimpleNamespace(warn=print))
     probe_loss_sum(run, "my.Task")
     assert task.autocast == [False] * 4
+    task.autocast = []  # bf16 weights (model.dtype=bfloat16), fp32 inputs: only autocast runs them, as the eval does
+    run.module = run.model = model.to(torch.bfloat16)
+    probe_loss_sum(run, "my.Task")
+    assert task.autocast == [False] + [True] * 4

@@ -12,6 +12,7 @@ Exercised by: tests/test_own_job.py.
 from __future__ import annotations
 
 import math
+from contextlib import nullcontext
 from typing import TYPE_CHECKING
 
 import torch
@@ -75,14 +76,25 @@ def _probe_eval_sums(run: Run, target: str) -> None:
             sums = task.eval_sums(run.module, batch)  # the model evaluate() hands it
             return {key: float(sums[key]) for key in task.eval_sum_keys}
 
-    try:  # at the weights' own precision, not autocast's: a count of argmax hits (accuracy's) flips between a batch
-        with eval_mode(run):  # of two and one alone where bf16 rounds a near tie apart, as a fresh head's logits are
-            together, again = sums_of([0, 1]), sums_of([0, 1], seed=1)
-            if any(not math.isclose(together[key], again[key], rel_tol=1e-5) for key in task.eval_sum_keys):
-                return  # drawn at random: the comparison below would say nothing
-            first, second = sums_of([0]), sums_of([1])
-    except Exception:  # noqa: BLE001 - probe_eval told what it could; the eval tells the rest
+    def probe() -> tuple[dict[str, float], dict[str, float], dict[str, float]] | None:
+        together, again = sums_of([0, 1]), sums_of([0, 1], seed=1)
+        if any(not math.isclose(together[key], again[key], rel_tol=1e-5) for key in task.eval_sum_keys):
+            return None  # drawn at random: the comparison below would say nothing
+        return together, sums_of([0]), sums_of([1])
+
+    # At the weights' own precision, not autocast's: a count of argmax hits (accuracy's) flips between a batch of two
+    # and one alone where bf16 rounds a near tie apart, as a fresh head's logits are. Autocast's where the model
+    # takes no input at its weights' precision (model.dtype=bfloat16 and float32 data), as the eval runs it
+    for precision in (nullcontext, run.precision.autocast):
+        try:
+            with eval_mode(run), precision():
+                probed = probe()
+            break
+        except Exception:  # noqa: BLE001 - probe_eval told what it could; the eval tells the rest
+            probed = None
+    if probed is None:
         return
+    together, first, second = probed
     means = [key for key in task.eval_sum_keys if looks_like_a_mean(together[key], first[key] + second[key])]
     if means:
         run.log.warn(f"warning: data._target_={target}: its eval_sums' {', '.join(map(repr, means))} for eval samples "
