@@ -101,6 +101,7 @@ def _check_columns(rows: list[dict[str, Any]], fields: list[str], where: str, ke
 def load_file_rows(path: str, fields: list[str], key: str = "data.path") -> list[dict[str, Any]]:
     """Rows of a local CSV, JSON Lines or Parquet file, read with the `datasets` library."""
     from datasets import disable_progress_bars, load_dataset  # here: a slow import the embedded default never needs
+    from datasets.exceptions import DatasetGenerationError
 
     disable_progress_bars()  # every rank drew "Generating train split" bars over the run's own lines
 
@@ -118,6 +119,8 @@ def load_file_rows(path: str, fields: list[str], key: str = "data.path") -> list
         if "corresponds to no data" not in str(err):
             raise
         rows = []
+    except DatasetGenerationError as err:  # a line that is no JSON in a file too big for the launcher to scan
+        raise DataError(f"{key}={path} does not read as {formats[file.suffix]}: {err.__cause__ or err}") from err
     if not rows:
         raise no_rows(key, path)
     _check_columns(rows, fields, str(file), "data.text_fields/data.label_field")

@@ -119,6 +119,11 @@ CASES = {  # name: (overrides, or a function of tmp_path giving them; what the l
                        "model.pretrained=bert-base-uncased is a hub id but the hub is off"),
     "model dir missing": (["+exp=bert", "model.pretrained=/no/such/model"],
                           "model.pretrained=/no/such/model is not a directory"),
+    "a run dir mistyped, no org/name id": (lambda tmp: [
+        "+exp=bert", f"model.pretrained={(tmp / 'runs' / 'pretrain').mkdir(parents=True) or 'runs/pretrian'}"],
+        "model.pretrained=runs/pretrian is not a directory (runs/ holds pretrain); give a dir written by "),
+    "a model dir mistyped": (lambda tmp: ["+exp=bert", f"model.pretrained={(tmp / 'a').mkdir() or tmp / 'b'}"],
+                             "/ holds a); give a dir written by save_pretrained or a hub id"),
     "model path, no org/name id": (["+exp=bert", "model.pretrained=runs/a/b"], "model.pretrained=runs/a/b is not a dir"),
     "resume=must without checkpoint": (["+exp=toy", "resume=must"], "resume=must but"),
     "unknown device": (["+exp=toy", "launcher.device=tpu"], "launcher.device"),
@@ -191,7 +196,7 @@ THROUGH_THE_CLI = {"unknown key", "unknown key of an untyped group", "unknown gr
                    "unknown logger", "wrong type", "unknown device", "run dir cannot be made", "indivisible batch",
                    "missing data path", "slurm after a run never submitted", "unreadable run dir",
                    "unknown option", "a float for an integer",
-                   "a torchrun flag", "an experiment as the primary config"}
+                   "a torchrun flag", "an experiment as the primary config", "a run dir mistyped, no org/name id"}
 assert THROUGH_THE_CLI <= CASES.keys()  # a misspelt name would quietly drop its CLI run
 
 

@@ -114,6 +114,27 @@ def test_an_empty_text_cell_is_found_by_the_parent_before_any_worker_starts(tmp_
                                                                               "good,pos\nbad,neg\n"))}}, {})
 
 
+def test_a_line_that_is_no_json_or_a_row_of_more_cells_is_named_by_its_number(tmp_path: Path, tiny_bert: Path) -> None:
+    """datasets said "JSON parse error ... in row 1" (counted from 0) under a 112-line traceback, on every rank."""
+    good = json.dumps({"text": "good", "label": "pos"})
+    path = write(tmp_path / "train.jsonl", f'{good}\n\n{{"text": "broken, "label": "neg"}}\n{good}\n')
+    config = {"model": {}, "data": {"path": path, "text_fields": ["text"], "label_field": "label"}}
+    with pytest.raises(ConfigError, match=rf"^data\.path={path} line 3 is no JSON object \(Expecting ',' delimiter, "
+                                          r"column 20\); each line of a .jsonl file holds one sample$"):
+        check_job_inputs(config, {})
+    with pytest.raises(ConfigError, match=r"line 2 is no JSON object \(a JSON list\)"):
+        check_job_inputs({"model": {}, "data": {**config["data"], "path": write(tmp_path / "list.jsonl",
+                                                                                 f'{good}\n["good", "pos"]\n')}}, {})
+    ragged = write(tmp_path / "train.csv", "text,label\ngood film,pos\nbad, really bad,neg\n")
+    with pytest.raises(ConfigError, match=r"train\.csv row 2 has 3 cells where the header names 2 columns; quote a "
+                                          r"text that holds a comma"):
+        check_job_inputs({"model": {}, "data": {**config["data"], "path": ragged}}, {})
+    # a file too big for the parent to scan: the job's reader says it in one line
+    with pytest.raises(ValueError, match=rf"^data\.path={path} does not read as json: JSON parse error") as error:
+        files(tiny_bert, path)
+    assert getattr(error.value, "one_line", False)
+
+
 LABELS = {  # case: (train file, eval file or None) in tmp_path, for labels the job refuses
     **{case: lambda tmp, case=case: (write(tmp / "train.csv", CELLS[case][0]), None) for case in CELLS
        if "text" not in case},

@@ -1,14 +1,13 @@
 """Checks of common job conventions, in the parent before any worker starts: local files that exist, hold rows
-and the named columns (one text or a pair), a classifier's labels (label_checks.py), lengths within the model's
-positions, dtypes torch has, a tokenizer that fits its model (tokenizer_check.py), model ids that can load
-offline, run dirs named as a pretrained model that have a checkpoint to start from. By key name only: launcher/
-never imports jobs/.
+(data_files.py) and the named columns (one text or a pair), a classifier's labels (label_checks.py), lengths
+within the model's positions, dtypes torch has, a tokenizer that fits its model (tokenizer_check.py), model ids
+that can load offline, run dirs named as a pretrained model that have a checkpoint to start from. By key name
+only: launcher/ never imports jobs/.
 
 Exercised by: `python -m launcher +exp=bert data=files data.path=missing.csv` (one-line error, exit 2).
 """
 from __future__ import annotations
 
-import csv
 import functools
 import json
 import os
@@ -19,6 +18,7 @@ import torch
 from omegaconf import OmegaConf
 
 from launcher.derived import CHECKPOINTING_KEY, ConfigError
+from launcher.launch.data_files import MAX_SCANNED_BYTES, columns_of, first_bad_row, has_rows
 from launcher.launch.label_checks import check_labels
 from launcher.launch.tokenizer_check import TOKENIZER_KEY, check_tokenizer
 from launcher.rundir import PRETRAINED_KEYS, is_run_dir, newest_checkpoint, pinned_checkpoint
@@ -27,7 +27,6 @@ PATH_KEYS = ("path", "eval_path")  # data files a job reads
 # where a text job's samples come from: files reads PATH_KEYS, these others leave them unread (a job of the user's
 # may have sources of its own that read them: not refused)
 SOURCE_KEY, FILES_SOURCE, OTHER_SOURCES = "source", "files", ("embedded", "hub")
-MAX_SCANNED_BYTES = 256 << 20  # data files the parent reads whole for empty cells, labels (larger: the job finds them)
 COLUMN_KEYS = ("text_fields", "label_field", "text_field")  # columns a tabular file must hold
 TEXT_FIELDS_KEY = "text_fields"  # columns tokenized together: a text, or a pair (a tokenizer takes no third)
 LENGTH_KEY = "max_length"  # tokens per sample a text job keeps (data.max_length)
@@ -43,59 +42,6 @@ OFFSET_POSITIONS = ("roberta", "xlm-roberta", "xlm-roberta-xl", "camembert", "ro
 
 def _offline() -> bool:
     return any(os.environ.get(v, "0").lower() in ("1", "true", "yes") for v in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
-
-
-def _columns(path: Path) -> list[str] | None:
-    """Column names of a CSV / JSON Lines / Parquet file (None for other formats)."""
-    if path.suffix == ".csv":
-        with open(path, newline="", encoding="utf-8-sig") as f:  # Excel's BOM is no part of the first name
-            return next((row for row in csv.reader(f) if row), [])  # blank lines are skipped when read, too
-    if path.suffix in (".jsonl", ".json"):
-        with open(path, encoding="utf-8-sig") as f:
-            first = next((line for line in f if line.strip()), "")
-        try:
-            return list(json.loads(first)) if first.strip().startswith("{") else None
-        except json.JSONDecodeError:  # one object over several lines (a .json file): its job's reader says
-            return None
-    if path.suffix == ".parquet":
-        import pyarrow.parquet as pq
-
-        return pq.read_schema(path).names
-    return None
-
-
-def _has_rows(path: Path) -> bool:
-    """Whether a data file holds a sample: a row under a CSV's header, a JSON line, a Parquet row, a text line that
-    is not blank (a job would fail in its reader with an error that names neither the key nor the file)."""
-    if path.suffix == ".parquet":
-        import pyarrow.parquet as pq
-
-        return pq.read_metadata(path).num_rows > 0
-    if path.suffix not in (".csv", ".jsonl", ".json", ".txt"):  # a format of its own: only its job can tell
-        return path.stat().st_size > 0
-    with open(path, newline="", encoding="utf-8-sig", errors="replace") as f:
-        if path.suffix == ".csv":
-            rows = (row for row in csv.reader(f) if row)  # blank lines are skipped when read, too
-            return next(rows, None) is not None and next(rows, None) is not None  # one beyond the header
-        return any(line.strip() for line in f)
-
-
-def _first_empty_cell(path: Path, fields: list[str]) -> tuple[int, str] | None:
-    """(row, column) of the first sample of a CSV / JSON Lines file without text in one of `fields`, numbered as
-    the jobs number them (from 1, after the header); files over MAX_SCANNED_BYTES are left to the job."""
-    if path.suffix not in (".csv", ".jsonl") or not fields or path.stat().st_size > MAX_SCANNED_BYTES:
-        return None
-    with open(path, newline="", encoding="utf-8-sig", errors="replace") as f:
-        rows = csv.DictReader(f) if path.suffix == ".csv" else (json.loads(line) for line in f if line.strip())
-        try:
-            for number, row in enumerate(rows, 1):
-                for field in fields:
-                    value = row.get(field) if isinstance(row, dict) else None
-                    if value is None or not str(value).strip():
-                        return number, field
-        except ValueError:  # a line that is no JSON (or CSV): the job's reader names it
-            return None
-    return None
 
 
 @functools.lru_cache
@@ -120,6 +66,15 @@ def _hub_problem(repo_id: str) -> str | None:
                 f"save_pretrained")
 
 
+def _near_miss(value: str) -> str:
+    """What the dir above a path that is no dir holds, where that dir is here; else ""."""
+    parent = Path(value).parent
+    if "/" not in value or not parent.is_dir():
+        return ""
+    there = sorted(p.name for p in parent.iterdir() if p.is_dir())
+    return f"{parent}/ holds {', '.join(there[:8]) + (', ...' if len(there) > 8 else '') or 'no dir'}"
+
+
 def check_job_inputs(config: dict[str, Any], pinned: dict[str, dict[str, str]]) -> None:
     """`pinned`: this run dir's pinned_pretrained, the checkpoints its earlier starts built from."""
     _check_source(config.get("data") or {})  # before the files' own checks: a file that is not there would be unread
@@ -137,16 +92,21 @@ def check_job_inputs(config: dict[str, Any], pinned: dict[str, dict[str, str]]) 
                 continue
             if not isinstance(value, str) or Path(value).is_dir():
                 continue
+            near = _near_miss(value)  # (runs/pretrian where runs/ is here: a mistyped dir, more likely than an org)
             if value.startswith(("/", ".", "~")) or value.count("/") > 1:  # a hub id is name or org/name
-                raise ConfigError(f"{group}.{key}={value} is not a directory; give a dir written by save_pretrained "
-                                  f"or a hub id such as bert-base-uncased")
+                raise ConfigError(f"{group}.{key}={value} is not a directory{f' ({near})' if near else ''}; give a dir "
+                                  f"written by save_pretrained or a hub id such as bert-base-uncased")
+            if near and _offline():
+                raise ConfigError(f"{group}.{key}={value} is not a directory ({near}); give a dir written by "
+                                  f"save_pretrained or a run dir")
             if _offline():
                 raise ConfigError(f"{group}.{key}={value} is a hub id but the hub is off (HF_HUB_OFFLINE=1); it needs "
                                   f"the hub, or a local dir written by save_pretrained")
             # (a dry run plans, and asks no hub: README's commands run as written on a machine without one)
             problem = None if (config.get("launcher") or {}).get("dry_run") else _hub_problem(value)
             if problem:
-                raise ConfigError(f"{group}.{key}={value}: {problem}")
+                raise ConfigError(f"{group}.{key}={value}: {f'no such directory ({near}), nor ' if near else ''}"
+                                  f"{problem}")
     dropout = (config.get("model") or {}).get(DROPOUT_KEY)
     probability = isinstance(dropout, (int, float)) and not isinstance(dropout, bool) and 0 <= dropout < 1
     if dropout is not None and not probability:
@@ -172,20 +132,19 @@ def check_job_inputs(config: dict[str, Any], pinned: dict[str, dict[str, str]]) 
     wanted = [c for key in COLUMN_KEYS for c in ([data[key]] if isinstance(data.get(key), str) else data.get(key) or [])]
     for key in PATH_KEYS:
         path = Path(data[key]) if data.get(key) else None
-        if path and not _has_rows(path):
+        if path and not has_rows(path):
             unset = f", or set data.{key}=null" if key == "eval_path" else ""
             raise ConfigError(f"data.{key}={path} has no rows; give a file with at least one sample{unset}")
-        columns = _columns(path) if path else None
+        columns = columns_of(path) if path else None
         missing = [c for c in wanted if columns is not None and c not in columns]
         if missing:
             raise ConfigError(f"data.{key}={path} has no column(s) {missing} (its columns: {columns}); "
                               f"set data.text_fields / data.label_field to its columns")
         texts = [c for k in (TEXT_FIELDS_KEY, "text_field") for c in ([data[k]] if isinstance(data.get(k), str)
                                                                      else data.get(k) or [])]
-        empty = _first_empty_cell(path, texts) if path and columns is not None else None
-        if empty:  # the workers would find it too, after seconds of start-up, on every rank
-            raise ConfigError(f"data.{key}={path} row {empty[0]}: no text in column {empty[1]!r}; fill it in or drop "
-                              f"the row")
+        bad = first_bad_row(path, texts) if path else None
+        if bad:  # the workers would find it too, after seconds of start-up, on every rank
+            raise ConfigError(f"data.{key}={path} {bad}")
     tokenizer = _model_source(data.get(TOKENIZER_KEY), pinned, f"data.{TOKENIZER_KEY}")
     check_tokenizer(data, tokenizer, pretrained, model_dir)
     check_labels(data, tokenizer, MAX_SCANNED_BYTES)

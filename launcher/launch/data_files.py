@@ -1,0 +1,96 @@
+"""What the parent reads of a job's local data files before any worker starts: their columns, whether they hold a
+sample, and the first bad row (a line that is no JSON, an empty text), each named by its line or row.
+
+Exercised by: tests/test_own_data.py, tests/test_bad_input.py.
+"""
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+from typing import Any
+
+MAX_SCANNED_BYTES = 256 << 20  # data files the parent reads whole for empty cells, labels (larger: the job finds them)
+
+
+def columns_of(path: Path) -> list[str] | None:
+    """Column names of a CSV / JSON Lines / Parquet file (None for other formats)."""
+    if path.suffix == ".csv":
+        with open(path, newline="", encoding="utf-8-sig") as f:  # Excel's BOM is no part of the first name
+            return next((row for row in csv.reader(f) if row), [])  # blank lines are skipped when read, too
+    if path.suffix in (".jsonl", ".json"):
+        with open(path, encoding="utf-8-sig") as f:
+            first = next((line for line in f if line.strip()), "")
+        try:
+            return list(json.loads(first)) if first.strip().startswith("{") else None
+        except json.JSONDecodeError:  # one object over several lines (a .json file): its job's reader says
+            return None
+    if path.suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        return pq.read_schema(path).names
+    return None
+
+
+def has_rows(path: Path) -> bool:
+    """Whether a data file holds a sample: a row under a CSV's header, a JSON line, a Parquet row, a text line that
+    is not blank (a job would fail in its reader with an error that names neither the key nor the file)."""
+    if path.suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        return pq.read_metadata(path).num_rows > 0
+    if path.suffix not in (".csv", ".jsonl", ".json", ".txt"):  # a format of its own: only its job can tell
+        return path.stat().st_size > 0
+    with open(path, newline="", encoding="utf-8-sig", errors="replace") as f:
+        if path.suffix == ".csv":
+            rows = (row for row in csv.reader(f) if row)  # blank lines are skipped when read, too
+            return next(rows, None) is not None and next(rows, None) is not None  # one beyond the header
+        return any(line.strip() for line in f)
+
+
+def first_bad_row(path: Path, fields: list[str]) -> str | None:
+    """What is wrong with the first bad sample of a CSV / JSON Lines file: a JSON line that is no object, a CSV row
+    of more cells than its header, or no text in one of `fields` (rows numbered as the jobs number them: from 1, after the header); files over
+    MAX_SCANNED_BYTES are left to the job."""
+    if path.suffix not in (".csv", ".jsonl") or path.stat().st_size > MAX_SCANNED_BYTES:
+        return None
+    with open(path, newline="", encoding="utf-8-sig", errors="replace") as f:
+        if path.suffix == ".csv":
+            rows = enumerate(csv.DictReader(f), 1)
+        else:
+            rows = enumerate(_json_lines(f), 1)
+        try:
+            for number, row in rows:
+                if None in row:  # DictReader's key for the cells beyond the header's (pandas refuses the file)
+                    return (f"row {number} has {len(row) - 1 + len(row[None])} cells where the header names {len(row) - 1} "
+                            f"columns; "
+                            f"quote a text that holds a comma (\"bad, really\")")
+                for field in fields:
+                    value = row.get(field)
+                    if value is None or not str(value).strip():
+                        return f"row {number}: no text in column {field!r}; fill it in or drop the row"
+        except _NotAnObject as err:  # datasets would say "JSON parse error ... in row 0" under a long traceback
+            return f"line {err.line} is no JSON object ({err.why}); each line of a .jsonl file holds one sample"
+        except csv.Error as err:
+            return f"does not read as CSV ({err})"
+    return None
+
+
+class _NotAnObject(ValueError):
+    def __init__(self, line: int, why: str) -> None:
+        super().__init__(why)
+        self.line, self.why = line, why
+
+
+def _json_lines(f: Any) -> Any:
+    """The objects of a JSON Lines file, blank lines skipped (as `datasets` skips them)."""
+    for line_number, line in enumerate(f, 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise _NotAnObject(line_number, f"{err.msg}, column {err.colno}") from None
+        if not isinstance(row, dict):
+            raise _NotAnObject(line_number, f"a JSON {type(row).__name__}")
+        yield row
