@@ -236,3 +236,23 @@ def test_batch_norm_statistics_are_rank_0_s_at_evals_and_checkpoints_so_a_resume
     assert "resumed from step 4" in out.stdout
     again = {m["step"]: m["eval"] for m in read_metrics(run_dir) if "eval" in m}
     assert again == evals and bitwise_equal(weights(run_dir, 8), final), (again, evals)
+
+
+def test_a_checkpoint_of_separate_tensors_does_not_load_into_tied_ones(tmp_path: Path) -> None:
+    """Both files' tensors would be copied into the one parameter, the last winning (strategy=fsdp), or
+    load_state_dict would list them under a traceback (DDP)."""
+    from safetensors.torch import save_file
+
+    from launcher.derived import ConfigError
+    from launcher.train.checkpoint import _check_fits
+
+    model = torch.nn.Sequential(torch.nn.Embedding(5, 3), torch.nn.Linear(3, 5, bias=False))
+    weights = tmp_path / "model.safetensors"
+    save_file({"0.weight": torch.zeros(5, 3), "1.weight": torch.zeros(5, 3)}, str(weights))
+    _check_fits(model, weights)
+    model[1].weight = model[0].weight
+    with pytest.raises(ConfigError, match=r"does not fit this model: 1\.weight is tied to 0\.weight here, a tensor of "
+                                          r"its own there; "):
+        _check_fits(model, weights)
+    save_file({"0.weight": torch.zeros(5, 3)}, str(weights))  # as safetensors saves tied weights: once
+    _check_fits(model, weights)

@@ -69,7 +69,7 @@ def _hub_problem(repo_id: str) -> str | None:
 def _near_miss(value: str) -> str:
     """What the dir above a path that is no dir holds, where that dir is here; else ""."""
     parent = Path(value).parent
-    if "/" not in value or not parent.is_dir():
+    if "/" not in value or not parent.is_dir() or parent == Path(parent.anchor):  # (not a listing of / itself)
         return ""
     there = sorted(p.name for p in parent.iterdir() if p.is_dir())
     return f"{parent}/ holds {', '.join(there[:8]) + (', ...' if len(there) > 8 else '') or 'no dir'}"

@@ -7,10 +7,13 @@ from __future__ import annotations
 
 import csv
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
 MAX_SCANNED_BYTES = 256 << 20  # data files the parent reads whole for empty cells, labels (larger: the job finds them)
+# pandas reads cells of any length; Python's csv stops at 128 KiB (a long document in a CSV is no error)
+csv.field_size_limit(min(sys.maxsize, 2**31 - 1))
 
 
 def columns_of(path: Path) -> list[str] | None:
@@ -56,15 +59,16 @@ def first_bad_row(path: Path, fields: list[str]) -> str | None:
         return None
     with open(path, newline="", encoding="utf-8-sig", errors="replace") as f:
         if path.suffix == ".csv":
-            rows = enumerate(csv.DictReader(f), 1)
+            reader = csv.DictReader(f)
+            rows = enumerate(reader, 1)
         else:
             rows = enumerate(_json_lines(f), 1)
         try:
             for number, row in rows:
-                if None in row:  # DictReader's key for the cells beyond the header's (pandas refuses the file)
-                    return (f"row {number} has {len(row) - 1 + len(row[None])} cells where the header names {len(row) - 1} "
-                            f"columns; "
-                            f"quote a text that holds a comma (\"bad, really\")")
+                if None in row:  # DictReader's key for the cells beyond the header's (pandas misreads the file)
+                    names = len(reader.fieldnames or [])
+                    return (f"row {number} has {names + len(row[None])} cells where the header names {names} "
+                            f"columns; quote a text that holds a comma (\"bad, really\"), or drop a trailing comma")
                 for field in fields:
                     value = row.get(field)
                     if value is None or not str(value).strip():
@@ -83,14 +87,19 @@ class _NotAnObject(ValueError):
 
 
 def _json_lines(f: Any) -> Any:
-    """The objects of a JSON Lines file, blank lines skipped (as `datasets` skips them)."""
+    """The objects of a JSON Lines file, blank lines skipped (as `datasets` skips them). A file whose first line is
+    no object may be one JSON document over its lines, which `datasets` reads whole: left to the job."""
+    objects = 0
     for line_number, line in enumerate(f, 1):
         if not line.strip():
             continue
         try:
             row = json.loads(line)
         except json.JSONDecodeError as err:
-            raise _NotAnObject(line_number, f"{err.msg}, column {err.colno}") from None
+            row = _NotAnObject(line_number, f"{err.msg}, column {err.colno}")
         if not isinstance(row, dict):
-            raise _NotAnObject(line_number, f"a JSON {type(row).__name__}")
+            if not objects:
+                return
+            raise row if isinstance(row, _NotAnObject) else _NotAnObject(line_number, f"a JSON {type(row).__name__}")
+        objects += 1
         yield row

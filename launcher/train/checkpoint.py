@@ -217,6 +217,9 @@ def _check_fits(model: torch.nn.Module, weights: Path) -> None:
     problems = [f"{name} is {shapes[name]} there, {list(targets[name].shape)} here" for name in shapes
                 if name in targets and shapes[name] != list(targets[name].shape)]
     problems += [f"{name} is not in this model" for name in sorted(set(shapes) - set(targets))]
+    first_name: dict[int, str] = {}  # a tensor of its own there, tied to another here: one would overwrite the other
+    problems += [f"{name} is tied to {first_name[id(targets[name])]} here, a tensor of its own there" for name in shapes
+                 if name in targets and first_name.setdefault(id(targets[name]), name) != name]
     problems += [f"{name} is not in the checkpoint" for name, target in targets.items()
                  if name not in shapes and id(target) not in loaded]
     if problems:
