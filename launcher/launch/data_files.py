@@ -53,8 +53,8 @@ def has_rows(path: Path) -> bool:
 
 def first_bad_row(path: Path, fields: list[str]) -> str | None:
     """What is wrong with the first bad sample of a CSV / JSON Lines file: a JSON line that is no object, a CSV row
-    of more cells than its header, or no text in one of `fields` (rows numbered as the jobs number them: from 1, after the header); files over
-    MAX_SCANNED_BYTES are left to the job."""
+    of more cells than its header, or no text in one of `fields` (rows numbered as the jobs number them: from 1,
+    after the header); files over MAX_SCANNED_BYTES are left to the job."""
     if path.suffix not in (".csv", ".jsonl") or path.stat().st_size > MAX_SCANNED_BYTES:
         return None
     with open(path, newline="", encoding="utf-8-sig", errors="replace") as f:
@@ -89,17 +89,19 @@ class _NotAnObject(ValueError):
 def _json_lines(f: Any) -> Any:
     """The objects of a JSON Lines file, blank lines skipped (as `datasets` skips them). A file whose first line is
     no object may be one JSON document over its lines, which `datasets` reads whole: left to the job."""
-    objects = 0
+    seen_an_object = False
     for line_number, line in enumerate(f, 1):
         if not line.strip():
             continue
         try:
             row = json.loads(line)
+            why = None if isinstance(row, dict) else f"a JSON {type(row).__name__}"
         except json.JSONDecodeError as err:
-            row = _NotAnObject(line_number, f"{err.msg}, column {err.colno}")
-        if not isinstance(row, dict):
-            if not objects:
-                return
-            raise row if isinstance(row, _NotAnObject) else _NotAnObject(line_number, f"a JSON {type(row).__name__}")
-        objects += 1
-        yield row
+            why = f"{err.msg}, column {err.colno}"
+        if why is None:
+            seen_an_object = True
+            yield row
+        elif not seen_an_object:
+            return
+        else:
+            raise _NotAnObject(line_number, why)

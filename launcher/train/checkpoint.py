@@ -213,13 +213,16 @@ def _check_fits(model: torch.nn.Module, weights: Path) -> None:
     targets = model.state_dict(keep_vars=True)  # (strategy=fsdp: DTensors, of the full shapes)
     with safe_open(str(weights), framework="pt") as tensors:
         shapes = {name: list(tensors.get_slice(name).get_shape()) for name in tensors.keys()}
-    loaded = {id(targets[name]) for name in shapes if name in targets}
-    problems = [f"{name} is {shapes[name]} there, {list(targets[name].shape)} here" for name in shapes
-                if name in targets and shapes[name] != list(targets[name].shape)]
+    problems, loaded = [], {}  # loaded: id of each model tensor the file holds -> its first name there
+    for name, shape in shapes.items():
+        target = targets.get(name)
+        if target is None:
+            continue
+        if shape != list(target.shape):
+            problems.append(f"{name} is {shape} there, {list(target.shape)} here")
+        if loaded.setdefault(id(target), name) != name:  # two tensors there, one here: one would overwrite the other
+            problems.append(f"{name} is tied to {loaded[id(target)]} here, a tensor of its own there")
     problems += [f"{name} is not in this model" for name in sorted(set(shapes) - set(targets))]
-    first_name: dict[int, str] = {}  # a tensor of its own there, tied to another here: one would overwrite the other
-    problems += [f"{name} is tied to {first_name[id(targets[name])]} here, a tensor of its own there" for name in shapes
-                 if name in targets and first_name.setdefault(id(targets[name]), name) != name]
     problems += [f"{name} is not in the checkpoint" for name, target in targets.items()
                  if name not in shapes and id(target) not in loaded]
     if problems:
