@@ -90,7 +90,7 @@ def test_a_half_written_checkpoint_is_never_chosen(tmp_path):
         checkpoint._write(tmp_path, 4, model, {"step": 4}, keep=2, model_files=killed, also_keep=None)
     assert (tmp_path / "checkpoints" / ".tmp-4" / "model.safetensors").is_file()
     assert not (tmp_path / "checkpoints" / ".tmp-4" / MARKER).exists() and complete_steps(tmp_path) == [2]
-    assert checkpoint._resume_point(tmp_path, warnings.append) == 2
+    assert checkpoint._resume_point(tmp_path, warnings.append) == (2, None)
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["2"] and not warnings
 
 
