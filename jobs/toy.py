@@ -155,7 +155,11 @@ class ToyRegression:
         self.calls += 1
         if self.stall_s and self.calls == self.stall_at_call:
             time.sleep(self.stall_s)
-        loss = ((model(batch["x"]) - batch["y"]) ** 2).mean(dim=1).sum()
+        # model.dtype=bfloat16 (weights in bf16) on the fp32 data: the inputs go in the weights' dtype, as a
+        # model's embedding would make them (a no-op at the default, where the model follows data.dtype)
+        x, dtype = batch["x"], next(model.parameters()).dtype
+        x = x if x.dtype == dtype else x.to(dtype)
+        loss = ((model(x) - batch["y"]) ** 2).mean(dim=1).sum()
         if not self.oom_in_copy and self.runs_out(len(batch["x"])):
             if not self.oom_in_backward:
                 raise torch.OutOfMemoryError(f"test: more than {self.oom_max_items} samples (jobs/toy.py)")
