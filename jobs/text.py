@@ -98,6 +98,11 @@ def _check_columns(rows: list[dict[str, Any]], fields: list[str], where: str, ke
                          f"its columns are {sorted(rows[0])}")
 
 
+# pandas (datasets' CSV reader) reads the cells NA, null, None, N/A, nan and more as empty: a review that says
+# "NA" was refused as missing text. Only an empty cell is missing (an int label column with one still floats).
+CSV_OPTIONS = {"keep_default_na": False, "na_values": [""]}
+
+
 def load_file_rows(path: str, fields: list[str], key: str = "data.path") -> list[dict[str, Any]]:
     """Rows of a local CSV, JSON Lines or Parquet file, read with the `datasets` library."""
     from datasets import disable_progress_bars, load_dataset  # here: a slow import the embedded default never needs
@@ -114,7 +119,8 @@ def load_file_rows(path: str, fields: list[str], key: str = "data.path") -> list
     if _blank(file):  # datasets: StopIteration (JSONL) or DatasetGenerationError (CSV)
         raise no_rows(key, path)
     try:
-        rows = load_dataset(formats[file.suffix], data_files=str(file), split="train").to_list()
+        options = CSV_OPTIONS if file.suffix == ".csv" else {}
+        rows = load_dataset(formats[file.suffix], data_files=str(file), split="train", **options).to_list()
     except ValueError as err:  # a CSV header only: 'Instruction "train" corresponds to no data!', even for eval
         if "corresponds to no data" not in str(err):
             raise
@@ -134,7 +140,7 @@ def text_file_rows(path: str, field: str, key: str) -> list[dict[str, Any]]:
     elif not Path(path).is_file():
         raise DataError(f"{key}={path} does not exist; give a .txt, CSV, JSONL or Parquet file")
     else:
-        rows = [{field: line} for line in Path(path).read_text().splitlines() if line.strip()]
+        rows = [{field: line} for line in Path(path).read_text(encoding="utf-8").splitlines() if line.strip()]
     if not rows:  # blank lines only
         raise no_rows(key, path)
     check_text(rows, [field], f"{key}={path}", "data.text_field")

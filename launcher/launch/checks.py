@@ -18,7 +18,7 @@ import torch
 from omegaconf import OmegaConf
 
 from launcher.derived import CHECKPOINTING_KEY, ConfigError
-from launcher.launch.data_files import MAX_SCANNED_BYTES, columns_of, first_bad_row, has_rows
+from launcher.launch.data_files import MAX_SCANNED_BYTES, columns_of, first_bad_row, has_rows, not_utf8
 from launcher.launch.label_checks import check_labels
 from launcher.launch.tokenizer_check import TOKENIZER_KEY, check_tokenizer
 from launcher.rundir import PRETRAINED_KEYS, is_run_dir, newest_checkpoint, pinned_checkpoint
@@ -132,6 +132,9 @@ def check_job_inputs(config: dict[str, Any], pinned: dict[str, dict[str, str]]) 
     wanted = [c for key in COLUMN_KEYS for c in ([data[key]] if isinstance(data.get(key), str) else data.get(key) or [])]
     for key in PATH_KEYS:
         path = Path(data[key]) if data.get(key) else None
+        undecodable = not_utf8(path) if path else None
+        if undecodable:
+            raise ConfigError(f"data.{key}={path} {undecodable}")
         if path and not has_rows(path):
             unset = f", or set data.{key}=null" if key == "eval_path" else ""
             raise ConfigError(f"data.{key}={path} has no rows; give a file with at least one sample{unset}")

@@ -1,7 +1,8 @@
 """What the parent reads of a job's local data files before any worker starts: their columns, whether they hold a
-sample, and the first bad row (a line that is no JSON, an empty text), each named by its line or row.
+sample, bytes that are no UTF-8, and the first bad row (a line that is no JSON, an empty text), each named by its
+line or row.
 
-Exercised by: tests/test_own_data.py, tests/test_bad_input.py.
+Exercised by: tests/test_own_data.py, tests/test_bad_input.py, tests/test_data_encodings.py.
 """
 from __future__ import annotations
 
@@ -14,6 +15,27 @@ from typing import Any
 MAX_SCANNED_BYTES = 256 << 20  # data files the parent reads whole for empty cells, labels (larger: the job finds them)
 # pandas reads cells of any length; Python's csv stops at 128 KiB (a long document in a CSV is no error)
 csv.field_size_limit(min(sys.maxsize, 2**31 - 1))
+
+
+def not_utf8(path: Path) -> str | None:
+    """Where a text data file (CSV, JSON Lines, JSON, .txt) first holds bytes that are no UTF-8, the only encoding
+    the jobs' readers take (a Latin-1 file passed every other check, then failed on every rank in pandas'
+    decoder); files are read up to MAX_SCANNED_BYTES."""
+    if path.suffix not in (".csv", ".jsonl", ".json", ".txt"):
+        return None
+    read = 0
+    with open(path, "rb") as f:  # (by line: 0x0a is never part of a multi-byte UTF-8 character)
+        for number, line in enumerate(f, 1):
+            try:
+                line.decode("utf-8")
+            except UnicodeDecodeError as err:
+                return (f"is no UTF-8 text: line {number} holds byte {line[err.start]:#04x} at column {err.start + 1}; "
+                        f"save it as UTF-8 (a Latin-1 file: iconv -f latin1 -t utf-8 {path.name} > "
+                        f"{path.stem}-utf8{path.suffix})")
+            read += len(line)
+            if read > MAX_SCANNED_BYTES:
+                break
+    return None
 
 
 def columns_of(path: Path) -> list[str] | None:

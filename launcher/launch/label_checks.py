@@ -32,11 +32,12 @@ def read_labels(path: Path, field: str, most_bytes: int) -> list[Any] | None:
         return None
     try:
         if path.suffix == ".csv":
-            # pandas, as datasets reads a CSV: it types the column (1 and 2 are ids, 0.4 a float, an int column
-            # with an empty cell floats, NA and empty cells missing), which only its own parser tells exactly
+            # pandas, as datasets reads a CSV with the jobs' options (jobs/text.py: only an empty cell is missing,
+            # the text NA is NA): it types the column (1 and 2 are ids, 0.4 a float, an int column with an empty
+            # cell floats), which only its own parser tells exactly
             import pandas as pd  # here: a slow import that only a CSV's labels need
 
-            return pd.read_csv(path, usecols=[field])[field].tolist()
+            return pd.read_csv(path, usecols=[field], keep_default_na=False, na_values=[""])[field].tolist()
         if path.suffix == ".parquet":
             import pyarrow.parquet as pq
 
