@@ -182,7 +182,12 @@ CASES = {  # name: (overrides, or a function of tmp_path giving them; what the l
     "slurm requeue on scancel's signal": (["+exp=toy", "launcher=slurm", "launcher.signal=TERM"],
                                           "launcher.signal=TERM on Slurm cannot tell the time limit's warning from a "
                                           "scancel"),
-    "run dir cannot be made": (["+exp=toy", "hydra.run.dir=/etc/passwd/run"], "hydra.run.dir"),
+    "run dir cannot be made": (["+exp=toy", "hydra.run.dir=/etc/passwd/run"], "hydra.run.dir (or hydra.sweep.dir) "
+                               "cannot be created: NotADirectoryError: [Errno 20] Not a directory: '/etc/passwd/run'; "
+                               "give a dir this user can write"),
+    "run dir under a dir that cannot have one": (  # mkdir raised again in its retry: one error, not two joined
+        ["+exp=toy", "hydra.run.dir=/proc/launcher-test"], "cannot be created: FileNotFoundError: [Errno 2] No such "
+        "file or directory: '/proc/launcher-test'; give a dir"),
     "unreadable run dir": (lambda tmp: ["+exp=toy", f"hydra.run.dir={make_run_dir_with_corrupt_config(tmp)}"],
                            "config.yaml cannot be read"),
 }
@@ -194,6 +199,7 @@ CASES = {  # name: (overrides, or a function of tmp_path giving them; what the l
 # kind of stage of cli.launch: the plan, the job's inputs, the Slurm branch, a run dir that already holds a run.
 THROUGH_THE_CLI = {"unknown key", "unknown key of an untyped group", "unknown group option", "unknown exp",
                    "unknown logger", "wrong type", "unknown device", "run dir cannot be made", "indivisible batch",
+                   "run dir under a dir that cannot have one",
                    "missing data path", "slurm after a run never submitted", "unreadable run dir",
                    "unknown option", "a float for an integer",
                    "a torchrun flag", "an experiment as the primary config", "a run dir mistyped, no org/name id"}
