@@ -3,12 +3,15 @@ not, with the "did you mean" the other typos get, before any worker starts and w
 launches (dry runs) of the CLI; every config option's keys are checked in tests/test_configs.py."""
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
+from omegaconf import OmegaConf
 
 from conftest import run_cli
-from launcher.launch.known_keys import target_parameters
+from launcher import schema
+from launcher.launch.known_keys import CONF_DIR, PEER_NAMES, target_parameters
 
 NOTHING_READS = "is a key nothing reads (a typo, or one added with + that no schema or target takes): "
 
@@ -21,6 +24,10 @@ NOTHING_READS = "is a key nothing reads (a typo, or one added with + that no sch
     ("+train.lr=0.1", "did you mean optimizer.lr?"),  # a key of another group, by its name
     ("+train.precision=bf16", "did you mean precision=bf16?"),  # a group's choice
     ("+logger.tensorboard.dir=tb", "logger.tensorboard takes no keys"),
+    # a peer's name for a key of ours (HF Trainer, Lightning, nanoGPT): by meaning, where the spelling is no guide
+    ("+train.gradient_accumulation_steps=4", "did you mean train.global_batch_size (accumulation steps = "
+                                             "global_batch_size / (micro_batch_size x ranks))?"),
+    ("+epochs=3", "did you mean train.max_steps (a run counts optimizer steps, not epochs)?"),
     ("+seeds=1", "the config has data, dist, launcher, logger, model, name, optimizer, precision, resume, scheduler, "
                  "strategy, train"),
 ])
@@ -44,6 +51,9 @@ def test_hydra_s_own_refusal_no_longer_suggests_adding_the_key_with_plus(tmp_pat
     ("optimizer.name=sgd", "Key 'name' is not in struct; did you mean optimizer=sgd?"),  # a group's choice
     ("train.path=x", "Key 'path' not in 'TrainConfig'; did you mean data.path?"),  # (data=files: a ??? key)
     ("hydra.run.name=x", "Key 'name' not in 'RunDir'"),  # Hydra's own: no guess
+    ("train.grad_clip=0.5", "Key 'grad_clip' not in 'TrainConfig'; did you mean train.max_grad_norm=0.5?"),  # a peer's
+    ("optimizer.learning_rate=3e-4", "Key 'learning_rate' is not in struct; did you mean optimizer.lr=3e-4?"),
+    ("train.fp16=true", "Key 'fp16' not in 'TrainConfig'; did you mean precision=fp16 (or bf16, fp32, auto)?"),
     # a key of another option of the same group: of model and data only those of the same job (data=files builds
     # the TextClassification data=sentiment builds; data=corpus, which has a path too, the MLM's), of a logger under
     # its package, before a key of that name in another group (resume.mode)
@@ -70,3 +80,14 @@ def test_a_target_s_parameters_come_from_its_source_without_importing_it() -> No
     assert "jobs.toy" not in sys.modules
     assert "lr" in target_parameters("torch.optim.AdamW") and target_parameters("jobs.nowhere.Thing") is None
     assert target_parameters("launcher.launch.known_keys.check_known_keys") == {"cfg", "configs"}
+
+
+def test_a_peer_s_name_is_no_key_of_ours_and_leads_to_one_that_is() -> None:
+    """PEER_NAMES goes before the keys of other groups: a name of ours in it would be sent elsewhere."""
+    ours = {f"{group}.{f.name}" for group, cls in [("train", schema.TrainConfig), ("scheduler", schema.SchedulerConfig),
+                                                    ("launcher", schema.LauncherConfig)] for f in dataclasses.fields(cls)}
+    ours |= {f"{path.parent.name}.{key}" for path in CONF_DIR.glob("*/*.yaml") for key in OmegaConf.load(path)}
+    names = {key.rpartition(".")[2] for key in ours} | {f.name for f in dataclasses.fields(schema.Config)}
+    assert not names & PEER_NAMES.keys()
+    for key, _ in PEER_NAMES.values():
+        assert key.split("=")[0] in ours | {"precision", "resume", "hydra.run.dir"}, key

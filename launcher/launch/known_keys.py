@@ -32,6 +32,30 @@ JOB_GROUPS = ("model", "data")  # their _target_ is the job: an option of anothe
 HYDRA_KEYS = {"_target_", "_partial_", "_convert_", "_recursive_", "_args_"}
 GIVEN_BY_THE_WORKER = {"params"}  # the optimizer's parameters: the worker passes them
 
+STEPS_NOT_EPOCHS = ("train.max_steps", "a run counts optimizer steps, not epochs")
+ACCUMULATION = ("train.global_batch_size", "accumulation steps = global_batch_size / (micro_batch_size x ranks)")
+BY_THE_PRECISION = ("precision=bf16", "or fp16, fp32, auto")  # (a choice of a group: no value follows)
+# what HF's Trainer and Accelerate, Lightning and nanoGPT call keys of ours: a name no group has, so the guess by
+# spelling missed (train.grad_clip listed TrainConfig's 30 keys), -> (our key, None: the same value means the same;
+# or a note: the user's value is no value of ours, epochs=3 no train.max_steps=3)
+PEER_NAMES: dict[str, tuple[str, str | None]] = {
+    **dict.fromkeys(("grad_clip", "gradient_clip_val", "clip_grad_norm", "max_norm"), ("train.max_grad_norm", None)),
+    **dict.fromkeys(("max_iters", "max_train_steps", "num_train_steps", "total_steps"), ("train.max_steps", None)),
+    **dict.fromkeys(("epochs", "num_epochs", "max_epochs", "num_train_epochs"), STEPS_NOT_EPOCHS),
+    **dict.fromkeys(("gradient_accumulation_steps", "accumulate_grad_batches"), ACCUMULATION),
+    **dict.fromkeys(("per_device_train_batch_size", "train_micro_batch_size_per_gpu"), ("train.micro_batch_size", None)),
+    **dict.fromkeys(("eval_interval", "eval_steps", "val_check_interval"), ("train.eval_every", None)),
+    **dict.fromkeys(("log_interval", "logging_steps", "log_every_n_steps"), ("train.log_every", None)),
+    **dict.fromkeys(("save_steps", "save_interval", "checkpoint_interval"), ("train.ckpt_every", None)),
+    "save_total_limit": ("train.keep_checkpoints", None),
+    **dict.fromkeys(("warmup_iters", "num_warmup_steps"), ("scheduler.warmup_steps", None)),
+    "learning_rate": ("optimizer.lr", None),
+    **dict.fromkeys(("mixed_precision", "amp"), BY_THE_PRECISION),
+    "fp16": ("precision=fp16", "or bf16, fp32, auto"), "bf16": BY_THE_PRECISION,
+    "resume_from_checkpoint": ("resume=must", "from the newest checkpoint of the run dir that hydra.run.dir names"),
+    "output_dir": ("hydra.run.dir", None),
+}
+
 
 def check_known_keys(cfg: DictConfig, configs: list[str] | None = None) -> None:
     """Raise ConfigError naming the first key nothing takes, and the closest key that is taken. `configs`: the
@@ -103,6 +127,9 @@ def elsewhere(cfg: DictConfig, full_key: str) -> str | None:
         return None
     given = [arg.split("=", 1)[1] for arg in sys.argv[1:] if arg.split("=", 1)[0].lstrip("+~") == full_key]
     value = f"={given[0]}" if given else "=..."
+    if name in PEER_NAMES:
+        ours, note = PEER_NAMES[name]
+        return f"{ours} ({note})" if note else f"{ours}{value}"
     if name == "name" and (CONF_DIR / root).is_dir():  # a group's name is its choice
         return f"{root}{value}"
     top = {str(key): node for key, node in cfg.items_ex(resolve=False)}
