@@ -5,6 +5,7 @@ Rows are plain dicts (text fields + label). The embedded sets are generated dete
 """
 from __future__ import annotations
 
+import csv
 import math
 import random
 from pathlib import Path
@@ -101,26 +102,28 @@ def _check_columns(rows: list[dict[str, Any]], fields: list[str], where: str, ke
 # pandas (datasets' CSV reader) reads the cells NA, null, None, N/A, nan and more as empty: a review that says
 # "NA" was refused as missing text. Only an empty cell is missing (an int label column with one still floats).
 CSV_OPTIONS = {"keep_default_na": False, "na_values": [""]}
+# a TSV: a CSV of tabs without quoting (GLUE's files: a text may hold a lone '"')
+READ_OPTIONS = {".csv": CSV_OPTIONS, ".tsv": {**CSV_OPTIONS, "sep": "\t", "quoting": csv.QUOTE_NONE}}
 
 
 def load_file_rows(path: str, fields: list[str], key: str = "data.path") -> list[dict[str, Any]]:
-    """Rows of a local CSV, JSON Lines or Parquet file, read with the `datasets` library."""
+    """Rows of a local CSV, TSV, JSON Lines or Parquet file, read with the `datasets` library."""
     from datasets import disable_progress_bars, load_dataset  # here: a slow import the embedded default never needs
     from datasets.exceptions import DatasetGenerationError
 
     disable_progress_bars()  # every rank drew "Generating train split" bars over the run's own lines
 
     file = Path(path)
-    formats = {".csv": "csv", ".json": "json", ".jsonl": "json", ".parquet": "parquet"}
+    formats = {".csv": "csv", ".tsv": "csv", ".json": "json", ".jsonl": "json", ".parquet": "parquet"}
     if not file.is_file():
-        raise DataError(f"{key}={path} does not exist; give a CSV, JSONL or Parquet file")
+        raise DataError(f"{key}={path} does not exist; give a CSV, TSV, JSONL or Parquet file")
     if file.suffix not in formats:
         raise DataError(f"{key}={path} has suffix {file.suffix!r}; use one of {sorted(formats)}")
     if _blank(file):  # datasets: StopIteration (JSONL) or DatasetGenerationError (CSV)
         raise no_rows(key, path)
     try:
-        options = CSV_OPTIONS if file.suffix == ".csv" else {}
-        rows = load_dataset(formats[file.suffix], data_files=str(file), split="train", **options).to_list()
+        rows = load_dataset(formats[file.suffix], data_files=str(file), split="train",
+                            **READ_OPTIONS.get(file.suffix, {})).to_list()
     except ValueError as err:  # a CSV header only: 'Instruction "train" corresponds to no data!', even for eval
         if "corresponds to no data" not in str(err):
             raise
@@ -138,7 +141,7 @@ def text_file_rows(path: str, field: str, key: str) -> list[dict[str, Any]]:
     if not path.endswith(".txt"):
         rows = load_file_rows(path, [field], key=key)
     elif not Path(path).is_file():
-        raise DataError(f"{key}={path} does not exist; give a .txt, CSV, JSONL or Parquet file")
+        raise DataError(f"{key}={path} does not exist; give a .txt, CSV, TSV, JSONL or Parquet file")
     else:
         rows = [{field: line} for line in Path(path).read_text(encoding="utf-8").splitlines() if line.strip()]
     if not rows:  # blank lines only

@@ -2,7 +2,7 @@
 sample, bytes that are no UTF-8, and the first bad row (a line that is no JSON, an empty text), each named by its
 line or row.
 
-Exercised by: tests/test_own_data.py, tests/test_bad_input.py, tests/test_data_encodings.py.
+Exercised by: tests/test_own_data.py, tests/test_bad_input.py, tests/test_data_formats.py.
 """
 from __future__ import annotations
 
@@ -12,16 +12,18 @@ import sys
 from pathlib import Path
 from typing import Any
 
+# a TSV is a CSV of tabs without quoting (GLUE's files: a text may hold a lone '"'), as the jobs read it
+DIALECTS = {".csv": {}, ".tsv": {"delimiter": "\t", "quoting": csv.QUOTE_NONE}}
 MAX_SCANNED_BYTES = 256 << 20  # data files the parent reads whole for empty cells, labels (larger: the job finds them)
 # pandas reads cells of any length; Python's csv stops at 128 KiB (a long document in a CSV is no error)
 csv.field_size_limit(min(sys.maxsize, 2**31 - 1))
 
 
 def not_utf8(path: Path) -> str | None:
-    """Where a text data file (CSV, JSON Lines, JSON, .txt) first holds bytes that are no UTF-8, the only encoding
+    """Where a text data file (CSV, TSV, JSON Lines, JSON, .txt) first holds bytes that are no UTF-8, the only encoding
     the jobs' readers take (a Latin-1 file passed every other check, then failed on every rank in pandas'
     decoder); files are read up to MAX_SCANNED_BYTES."""
-    if path.suffix not in (".csv", ".jsonl", ".json", ".txt"):
+    if path.suffix not in (*DIALECTS, ".jsonl", ".json", ".txt"):
         return None
     read = 0
     with open(path, "rb") as f:  # (by line: 0x0a is never part of a multi-byte UTF-8 character)
@@ -39,10 +41,11 @@ def not_utf8(path: Path) -> str | None:
 
 
 def columns_of(path: Path) -> list[str] | None:
-    """Column names of a CSV / JSON Lines / Parquet file (None for other formats)."""
-    if path.suffix == ".csv":
+    """Column names of a CSV / TSV / JSON Lines / Parquet file (None for other formats)."""
+    if path.suffix in DIALECTS:
         with open(path, newline="", encoding="utf-8-sig") as f:  # Excel's BOM is no part of the first name
-            return next((row for row in csv.reader(f) if row), [])  # blank lines are skipped when read, too
+            rows = csv.reader(f, **DIALECTS[path.suffix])
+            return next((row for row in rows if row), [])  # blank lines are skipped when read, too
     if path.suffix in (".jsonl", ".json"):
         with open(path, encoding="utf-8-sig") as f:
             first = next((line for line in f if line.strip()), "")
@@ -57,6 +60,14 @@ def columns_of(path: Path) -> list[str] | None:
     return None
 
 
+def one_column_split_by(columns: list[str], suffix: str) -> str | None:
+    """The delimiter of a CSV / TSV file whose header reads as one column split by another one (Excel's ';' in
+    much of Europe, a tab in a .csv), else None."""
+    ours = DIALECTS.get(suffix, {}).get("delimiter", ",")
+    return next((d for d in (";", "\t", ",", "|") if suffix in DIALECTS and len(columns) == 1 and d != ours
+                 and d in columns[0]), None)
+
+
 def has_rows(path: Path) -> bool:
     """Whether a data file holds a sample: a row under a CSV's header, a JSON line, a Parquet row, a text line that
     is not blank (a job would fail in its reader with an error that names neither the key nor the file)."""
@@ -64,11 +75,11 @@ def has_rows(path: Path) -> bool:
         import pyarrow.parquet as pq
 
         return pq.read_metadata(path).num_rows > 0
-    if path.suffix not in (".csv", ".jsonl", ".json", ".txt"):  # a format of its own: only its job can tell
+    if path.suffix not in (*DIALECTS, ".jsonl", ".json", ".txt"):  # a format of its own: only its job can tell
         return path.stat().st_size > 0
     with open(path, newline="", encoding="utf-8-sig", errors="replace") as f:
-        if path.suffix == ".csv":
-            rows = (row for row in csv.reader(f) if row)  # blank lines are skipped when read, too
+        if path.suffix in DIALECTS:
+            rows = (row for row in csv.reader(f, **DIALECTS[path.suffix]) if row)  # (blank lines: skipped, as read)
             return next(rows, None) is not None and next(rows, None) is not None  # one beyond the header
         return any(line.strip() for line in f)
 
@@ -77,11 +88,11 @@ def first_bad_row(path: Path, fields: list[str]) -> str | None:
     """What is wrong with the first bad sample of a CSV / JSON Lines file: a JSON line that is no object, a CSV row
     of more cells than its header, or no text in one of `fields` (rows numbered as the jobs number them: from 1,
     after the header); files over MAX_SCANNED_BYTES are left to the job."""
-    if path.suffix not in (".csv", ".jsonl") or path.stat().st_size > MAX_SCANNED_BYTES:
+    if path.suffix not in (*DIALECTS, ".jsonl") or path.stat().st_size > MAX_SCANNED_BYTES:
         return None
     with open(path, newline="", encoding="utf-8-sig", errors="replace") as f:
-        if path.suffix == ".csv":
-            reader = csv.DictReader(f)
+        if path.suffix in DIALECTS:
+            reader = csv.DictReader(f, **DIALECTS[path.suffix])
             rows = enumerate(reader, 1)
         else:
             rows = enumerate(_json_lines(f), 1)
@@ -89,8 +100,11 @@ def first_bad_row(path: Path, fields: list[str]) -> str | None:
             for number, row in rows:
                 if None in row:  # DictReader's key for the cells beyond the header's (pandas misreads the file)
                     names = len(reader.fieldnames or [])
-                    return (f"row {number} has {names + len(row[None])} cells where the header names {names} "
-                            f"columns; quote a text that holds a comma (\"bad, really\"), or drop a trailing comma")
+                    fix = ("a text holds a tab (a TSV quotes none: make it a space), or drop a trailing tab"
+                           if path.suffix == ".tsv" else
+                           "quote a text that holds a comma (\"bad, really\"), or drop a trailing comma")
+                    return f"row {number} has {names + len(row[None])} cells where the header names {names} columns; " \
+                           f"{fix}"
                 for field in fields:
                     value = row.get(field)
                     if value is None or not str(value).strip():

@@ -6,6 +6,7 @@ Exercised by: `python -m launcher +exp=bert data=files data.path=train.csv` with
 """
 from __future__ import annotations
 
+import csv
 import json
 import math
 from pathlib import Path
@@ -26,18 +27,19 @@ def _listed(names: list[Any], most: int = 10) -> str:
 
 
 def read_labels(path: Path, field: str, most_bytes: int) -> list[Any] | None:
-    """The label column of a CSV / JSON Lines / Parquet file, each value as the job's reader gives it; None where
+    """The label column of a CSV / TSV / JSON Lines / Parquet file, each value as the job's reader gives it; None where
     the parent leaves the file to the job (another format, over most_bytes, a file its reader fails on)."""
-    if path.suffix not in (".csv", ".jsonl", ".parquet") or path.stat().st_size > most_bytes:
+    if path.suffix not in (".csv", ".tsv", ".jsonl", ".parquet") or path.stat().st_size > most_bytes:
         return None
     try:
-        if path.suffix == ".csv":
+        if path.suffix in (".csv", ".tsv"):
             # pandas, as datasets reads a CSV with the jobs' options (jobs/text.py: only an empty cell is missing,
             # the text NA is NA): it types the column (1 and 2 are ids, 0.4 a float, an int column with an empty
             # cell floats), which only its own parser tells exactly
             import pandas as pd  # here: a slow import that only a CSV's labels need
 
-            return pd.read_csv(path, usecols=[field], keep_default_na=False, na_values=[""])[field].tolist()
+            tsv = {"sep": "\t", "quoting": csv.QUOTE_NONE} if path.suffix == ".tsv" else {}
+            return pd.read_csv(path, usecols=[field], keep_default_na=False, na_values=[""], **tsv)[field].tolist()
         if path.suffix == ".parquet":
             import pyarrow.parquet as pq
 

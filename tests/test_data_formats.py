@@ -1,7 +1,9 @@
-"""A data file's text as its bytes hold it: an encoding other than UTF-8 named by the parent, cells that read NA or
-null kept as text; in process, with files in tmp_path."""
+"""Data files as users' files come: an encoding other than UTF-8 named by the parent, cells that read NA or null kept
+as text, a TSV as GLUE writes it, cells split by another delimiter than the suffix says; in process, with files in
+tmp_path."""
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -54,4 +56,36 @@ def test_cells_that_read_na_or_null_are_texts_and_only_an_empty_cell_is_missing(
     # a label that reads NA is a name like any other; an empty cell is still no label, in the job's words
     path.write_text("text,label\ngood,NA\nbad,neg\nok,\n")
     with pytest.raises(ValueError, match=rf"^data\.path={path} row 3: no label in column 'label'"):
+        check(path)
+
+
+def test_a_tsv_is_read_as_glue_writes_it_and_its_bad_rows_are_named(tmp_path: Path, tiny_bert: Path) -> None:
+    """A .tsv was refused by every rank ("has suffix '.tsv'"), after their start-up: GLUE's files are TSVs, whose
+    texts hold a lone '"' that no quoting pairs."""
+    path = tmp_path / "train.tsv"
+    path.write_text('sentence\tlabel\nit \'s a "great film\t1\nawful\t0\nNA\t1\n')
+    check(path, text_fields=["sentence"])
+    assert [row["sentence"] for row in load_file_rows(str(path), ["sentence", "label"])] == [
+        'it \'s a "great film', "awful", "NA"]
+    job = TextClassification(str(tiny_bert), source="files", path=str(path), text_fields=["sentence"],
+                             label_field="label")
+    assert len(job.train_set) == 3
+    path.write_text("sentence\tlabel\ngood\t1\nbad\tfilm\t0\n")
+    with pytest.raises(ConfigError, match=r"row 2 has 3 cells where the header names 2 columns; a text holds a tab "):
+        check(path, text_fields=["sentence"])
+    path.write_text("sentence\tlabel\ngood\t1\nbad\t\n")
+    with pytest.raises(ConfigError, match=r"row 2: no label in column 'label'"):
+        check(path, text_fields=["sentence"])
+
+
+@pytest.mark.parametrize(("name", "delimiter", "fix"), [
+    ("excel.csv", ";", "its cells are split by ';', a .csv file's by ',': save it with ',' between cells"),
+    ("tabs.csv", "\t", "its cells are split by tabs: name it tabs.tsv"),
+    ("commas.tsv", ",", "its cells are split by ',', a .tsv file's by '\\t': save it with '\\t' between cells")])
+def test_cells_split_by_another_delimiter_name_it(tmp_path: Path, name: str, delimiter: str, fix: str) -> None:
+    """It read as one column, named after the whole header: "has no column(s) ['text', 'label'] (its columns:
+    ['text;label']); set data.text_fields / data.label_field to its columns", which they were."""
+    path = tmp_path / name
+    path.write_text(f"text{delimiter}label\ngood{delimiter}pos\nbad{delimiter}neg\n")
+    with pytest.raises(ConfigError, match=rf"has no column\(s\) \['text', 'label'\] .*\); {re.escape(fix)}$"):
         check(path)
