@@ -89,3 +89,17 @@ def test_cells_split_by_another_delimiter_name_it(tmp_path: Path, name: str, del
     path.write_text(f"text{delimiter}label\ngood{delimiter}pos\nbad{delimiter}neg\n")
     with pytest.raises(ConfigError, match=rf"has no column\(s\) \['text', 'label'\] .*\); {re.escape(fix)}$"):
         check(path)
+
+
+@pytest.mark.parametrize(("header", "overrides", "fix"), [
+    ("sentence,label", {}, "set data.text_fields=[sentence]"),  # GLUE's SST-2 column
+    ("text,sentiment", {}, "set data.label_field=sentiment"),
+    ("premise,hypothesis,label", {"text_fields": ["premise", "claim"]}, "set data.text_fields=[premise,hypothesis]"),
+    ("review,stars", {}, "set data.text_fields / data.label_field to its columns"),  # two keys: which is which?
+    ("sentence,idx,label", {}, "set data.text_fields / data.label_field to its columns")])  # two columns for one
+def test_a_column_the_file_lacks_is_answered_with_the_one_it_has(
+        tmp_path: Path, header: str, overrides: dict, fix: str) -> None:
+    path = tmp_path / "train.csv"
+    path.write_text(f"{header}\n" + ",".join(["good"] * (header.count(",")) + ["1"]) + "\n")
+    with pytest.raises(ConfigError, match=rf"\(its columns: \[.*\]\); {re.escape(fix)}$"):
+        check(path, **overrides)

@@ -146,7 +146,7 @@ def check_job_inputs(config: dict[str, Any], pinned: dict[str, dict[str, str]]) 
             ours = DIALECTS.get(path.suffix, {}).get("delimiter", ",")
             fix = (f"its cells are split by tabs: name it {path.stem}.tsv" if split == "\t" else
                    f"its cells are split by {split!r}, a {path.suffix} file's by {ours!r}: save it with {ours!r} "
-                   f"between cells" if split else "set data.text_fields / data.label_field to its columns")
+                   f"between cells" if split else _columns_fix(data, missing, columns or []))
             raise ConfigError(f"data.{key}={path} has no column(s) {missing} (its columns: {columns}); {fix}")
         texts = [c for k in (TEXT_FIELDS_KEY, "text_field") for c in ([data[k]] if isinstance(data.get(k), str)
                                                                      else data.get(k) or [])]
@@ -156,6 +156,19 @@ def check_job_inputs(config: dict[str, Any], pinned: dict[str, dict[str, str]]) 
     tokenizer = _model_source(data.get(TOKENIZER_KEY), pinned, f"data.{TOKENIZER_KEY}")
     check_tokenizer(data, tokenizer, pretrained, model_dir)
     check_labels(data, tokenizer, MAX_SCANNED_BYTES)
+
+
+def _columns_fix(data: dict[str, Any], missing: list[str], columns: list[str]) -> str:
+    """The override that names the file's columns, where one key names the missing ones and as many columns are
+    named by no key (text_fields=[text] of a file of sentence,label: data.text_fields=[sentence]); else what to set."""
+    named = {key: [data[key]] if isinstance(data.get(key), str) else list(data.get(key) or []) for key in COLUMN_KEYS}
+    spare = [c for c in columns if not any(c in names for names in named.values())]
+    lacking = [key for key, names in named.items() if set(names) & set(missing)]
+    if len(lacking) == 1 and len(spare) == len([c for c in named[lacking[0]] if c in missing]):
+        key, unnamed = lacking[0], iter(spare)
+        names = [next(unnamed) if c in missing else c for c in named[key]]
+        return f"set data.{key}={names[0] if isinstance(data[key], str) else '[' + ','.join(names) + ']'}"
+    return "set data.text_fields / data.label_field to its columns"
 
 
 def _check_source(data: dict[str, Any]) -> None:
