@@ -87,6 +87,12 @@ def _blank(file: Path) -> bool:
         return not any(chunk.strip() for chunk in iter(lambda: f.read(1 << 16), b""))
 
 
+def not_utf8(key: str, path: str, err: UnicodeDecodeError) -> DataError:
+    """A file of another encoding, too big for the parent's scan (its position is left out: datasets' counts from
+    a chunk of the file)."""
+    return DataError(f"{key}={path} is no UTF-8 text (byte {err.object[err.start]:#04x}); save it as UTF-8")
+
+
 def no_rows(key: str, path: str) -> DataError:
     unset = f", or set {key}=null" if key == "data.eval_path" else ""
     return DataError(f"{key}={path} has no rows; give a file with at least one sample{unset}")
@@ -124,11 +130,15 @@ def load_file_rows(path: str, fields: list[str], key: str = "data.path") -> list
     try:
         rows = load_dataset(formats[file.suffix], data_files=str(file), split="train",
                             **READ_OPTIONS.get(file.suffix, {})).to_list()
+    except UnicodeDecodeError as err:  # JSON Lines: pyarrow keeps the bytes, to_list decodes them (a ValueError)
+        raise not_utf8(key, path, err) from err
     except ValueError as err:  # a CSV header only: 'Instruction "train" corresponds to no data!', even for eval
         if "corresponds to no data" not in str(err):
             raise
         rows = []
     except DatasetGenerationError as err:  # a line that is no JSON in a file too big for the launcher to scan
+        if isinstance(err.__cause__, UnicodeDecodeError):
+            raise not_utf8(key, path, err.__cause__) from err
         raise DataError(f"{key}={path} does not read as {formats[file.suffix]}: {err.__cause__ or err}") from err
     if not rows:
         raise no_rows(key, path)
@@ -143,7 +153,10 @@ def text_file_rows(path: str, field: str, key: str) -> list[dict[str, Any]]:
     elif not Path(path).is_file():
         raise DataError(f"{key}={path} does not exist; give a .txt, CSV, TSV, JSONL or Parquet file")
     else:
-        rows = [{field: line} for line in Path(path).read_text(encoding="utf-8").splitlines() if line.strip()]
+        try:
+            rows = [{field: line} for line in Path(path).read_text(encoding="utf-8").splitlines() if line.strip()]
+        except UnicodeDecodeError as err:
+            raise not_utf8(key, path, err) from err
     if not rows:  # blank lines only
         raise no_rows(key, path)
     check_text(rows, [field], f"{key}={path}", "data.text_field")

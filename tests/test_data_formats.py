@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from jobs.bert import TextClassification
-from jobs.text import load_file_rows
+from jobs.text import DataError, load_file_rows, text_file_rows
 from launcher.derived import ConfigError
 from launcher.launch.checks import check_job_inputs
 
@@ -35,6 +35,10 @@ def test_a_file_in_latin_1_is_named_by_the_parent_with_its_line_and_the_fix(tmp_
                                           rf"column {column}; save it as UTF-8 \(a Latin-1 file: iconv -f latin1 -t "
                                           rf"utf-8 {name} > {stem}-utf8\.{suffix}\)$"):
         check(path, **({"text_field": "text"} if suffix == "txt" else {}))
+    # the job's reader says it in one line (where the file is too big for the parent's scan)
+    with pytest.raises(DataError, match=rf"^data\.path={path} is no UTF-8 text \(byte 0xe9\); save it as UTF-8$"):
+        (text_file_rows(str(path), "text", "data.path") if suffix == "txt" else
+         load_file_rows(str(path), ["text", "label"]))
     header = tmp_path / "header.csv"
     header.write_bytes("texte rédigé,label\ngood,pos\n".encode("latin-1"))
     with pytest.raises(ConfigError, match=r"header\.csv is no UTF-8 text: line 1 holds byte 0xe9"):
