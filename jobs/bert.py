@@ -156,8 +156,8 @@ class TextClassification:
             train_rows, eval_rows = sentiment_rows(n_train, seed), sentiment_rows(n_eval, seed + 1)
             wheres = ("the embedded train set", "the embedded eval set")
         elif source == "files":
-            train_rows = load_file_rows(path or "", columns)
-            eval_rows = load_file_rows(eval_path, columns, key="data.eval_path") if eval_path else []
+            train_rows = load_file_rows(path or "", columns, texts=fields)
+            eval_rows = load_file_rows(eval_path, columns, key="data.eval_path", texts=fields) if eval_path else []
             wheres = (f"data.path={path}", f"data.eval_path={eval_path}")
         elif source == "hub":
             train_rows = load_hub_rows(name or "", task, "train", columns)

@@ -1,4 +1,4 @@
-"""Text rows for the BERT jobs: an embedded offline default, local CSV/JSONL/Parquet files, or a hub dataset.
+"""Text rows for the BERT jobs: an embedded offline default, local CSV/TSV/JSONL/Parquet files, or a hub dataset.
 
 Rows are plain dicts (text fields + label). The embedded sets are generated deterministically, so
 `python -m launcher +exp=bert` needs no network and no files. Exercised by: tests/test_bert.py.
@@ -105,15 +105,19 @@ def _check_columns(rows: list[dict[str, Any]], fields: list[str], where: str, ke
                          f"its columns are {sorted(rows[0])}")
 
 
-# pandas (datasets' CSV reader) reads the cells NA, null, None, N/A, nan and more as empty: a review that says
-# "NA" was refused as missing text. Only an empty cell is missing (an int label column with one still floats).
-CSV_OPTIONS = {"keep_default_na": False, "na_values": [""]}
+# pandas' default missing cells (read_csv's na_values): in a text column only an empty cell is missing, where pandas
+# read a review that says "NA" (or null, None, nan) as none; a label column keeps them all (NA in a column of ids
+# made every id a string, and the classes renumbered in text order)
+PANDAS_NA = ["", "#N/A", "#N/A N/A", "#NA", "-1.#IND", "-1.#QNAN", "-NaN", "-nan", "1.#IND", "1.#QNAN", "<NA>", "N/A",
+             "NA", "NULL", "NaN", "None", "n/a", "nan", "null"]
 # a TSV: a CSV of tabs without quoting (GLUE's files: a text may hold a lone '"')
-READ_OPTIONS = {".csv": CSV_OPTIONS, ".tsv": {**CSV_OPTIONS, "sep": "\t", "quoting": csv.QUOTE_NONE}}
+DIALECTS = {".csv": {}, ".tsv": {"sep": "\t", "quoting": csv.QUOTE_NONE}}
 
 
-def load_file_rows(path: str, fields: list[str], key: str = "data.path") -> list[dict[str, Any]]:
-    """Rows of a local CSV, TSV, JSON Lines or Parquet file, read with the `datasets` library."""
+def load_file_rows(path: str, fields: list[str], key: str = "data.path", texts: list[str] | None = None
+                   ) -> list[dict[str, Any]]:
+    """Rows of a local CSV, TSV, JSON Lines or Parquet file, read with the `datasets` library. `texts`: the columns of
+    `fields` that hold text (None: all), whose cell NA is that text."""
     from datasets import disable_progress_bars, load_dataset  # here: a slow import the embedded default never needs
     from datasets.exceptions import DatasetGenerationError
 
@@ -128,8 +132,11 @@ def load_file_rows(path: str, fields: list[str], key: str = "data.path") -> list
     if _blank(file):  # datasets: StopIteration (JSONL) or DatasetGenerationError (CSV)
         raise no_rows(key, path)
     try:
-        rows = load_dataset(formats[file.suffix], data_files=str(file), split="train",
-                            **READ_OPTIONS.get(file.suffix, {})).to_list()
+        texts = fields if texts is None else texts
+        missing_cells = {field: [""] if field in texts else PANDAS_NA for field in fields}
+        tabular = {**DIALECTS[file.suffix], "keep_default_na": False, "na_values": missing_cells} \
+            if file.suffix in DIALECTS else {}
+        rows = load_dataset(formats[file.suffix], data_files=str(file), split="train", **tabular).to_list()
     except UnicodeDecodeError as err:  # JSON Lines: pyarrow keeps the bytes, to_list decodes them (a ValueError)
         raise not_utf8(key, path, err) from err
     except ValueError as err:  # a CSV header only: 'Instruction "train" corresponds to no data!', even for eval
@@ -154,7 +161,8 @@ def text_file_rows(path: str, field: str, key: str) -> list[dict[str, Any]]:
         raise DataError(f"{key}={path} does not exist; give a .txt, CSV, TSV, JSONL or Parquet file")
     else:
         try:
-            rows = [{field: line} for line in Path(path).read_text(encoding="utf-8").splitlines() if line.strip()]
+            lines = Path(path).read_text(encoding="utf-8-sig").splitlines()  # (no BOM in the first sample)
+            rows = [{field: line} for line in lines if line.strip()]
         except UnicodeDecodeError as err:
             raise not_utf8(key, path, err) from err
     if not rows:  # blank lines only

@@ -64,7 +64,6 @@ def test_fp16_and_bf16_runs_log_their_precision(tmp_path: Path) -> None:
         assert json.loads((run_dir / "summary.json").read_text())["precision"] == precision
 
 
-
 def test_weights_in_bf16_train_on_the_toy_s_fp32_data(tmp_path: Path) -> None:
     """model.dtype=bfloat16 keeps the weights (and the checkpoint) in bf16; the toy's fp32 inputs follow them."""
     out = run_cli(*TOY, "model.dtype=bfloat16", "launcher.nproc_per_node=1", "train.micro_batch_size=4",
@@ -75,6 +74,7 @@ def test_weights_in_bf16_train_on_the_toy_s_fp32_data(tmp_path: Path) -> None:
     assert {w.dtype for w in weights.values()} == {torch.bfloat16}
     losses = [m["loss"] for m in read_metrics(run_dir) if "loss" in m]
     assert sum(losses[-5:]) < sum(losses[:5]), losses
+
 
 # Hydra's ${now:} in both launches reads one instant, as if they had started in the same microsecond
 FROZEN_CLOCK = """import datetime, hydra.core.utils

@@ -1,6 +1,7 @@
-"""Data files as users' files come: an encoding other than UTF-8 named by the parent, cells that read NA or null kept
-as text, a TSV as GLUE writes it, cells split by another delimiter than the suffix says; in process, with files in
-tmp_path."""
+"""Data files as users' files come, in process, with files in tmp_path.
+
+An encoding other than UTF-8 named by the parent, cells that read NA or null kept as text, a TSV as GLUE writes it,
+cells split by another delimiter than the suffix says, a column named by the one the file has."""
 from __future__ import annotations
 
 import re
@@ -32,22 +33,37 @@ def test_a_file_in_latin_1_is_named_by_the_parent_with_its_line_and_the_fix(tmp_
     column = rows.splitlines()[line - 1].index("é") + 1
     stem, suffix = name.split(".")
     with pytest.raises(ConfigError, match=rf"^data\.path={path} is no UTF-8 text: line {line} holds byte 0xe9 at "
-                                          rf"column {column}; save it as UTF-8 \(a Latin-1 file: iconv -f latin1 -t "
-                                          rf"utf-8 {name} > {stem}-utf8\.{suffix}\)$"):
+                                          rf"column {column}; save it as UTF-8 \(a file of Windows' Western encoding: "
+                                          rf"iconv -f cp1252 -t utf-8 {name} > {stem}-utf8\.{suffix}\)$"):
         check(path, **({"text_field": "text"} if suffix == "txt" else {}))
     # the job's reader says it in one line (where the file is too big for the parent's scan)
     with pytest.raises(DataError, match=rf"^data\.path={path} is no UTF-8 text \(byte 0xe9\); save it as UTF-8$"):
         (text_file_rows(str(path), "text", "data.path") if suffix == "txt" else
          load_file_rows(str(path), ["text", "label"]))
-    header = tmp_path / "header.csv"
-    header.write_bytes("texte rédigé,label\ngood,pos\n".encode("latin-1"))
-    with pytest.raises(ConfigError, match=r"header\.csv is no UTF-8 text: line 1 holds byte 0xe9"):
-        check(header)
     path.write_bytes(b"\xef\xbb\xbf" + rows.encode())  # UTF-8, with the byte order mark Excel writes: read
     check(path, **({"text_field": "text"} if suffix == "txt" else {}))
+    if suffix == "txt":  # (the mark is no part of the first sample)
+        assert text_file_rows(str(path), "text", "data.path")[0] == {"text": "a line"}
 
 
-def test_cells_that_read_na_or_null_are_texts_and_only_an_empty_cell_is_missing(tmp_path: Path, tiny_bert: Path) -> None:
+def test_where_a_byte_is_no_utf_8_counts_characters_and_utf_16_is_named(tmp_path: Path) -> None:
+    """The column is the one an editor shows (it counted bytes: 'naïve' is 6); the byte order mark is no column; a
+    UTF-16 file (Excel's "Unicode Text") is said to be one."""
+    path = tmp_path / "train.csv"
+    path.write_bytes("text,label\nnaïve caf".encode() + b"\xe9,pos\n")
+    with pytest.raises(ConfigError, match=r"line 2 holds byte 0xe9 at column 10; "):
+        check(path)
+    path.write_bytes(b"\xef\xbb\xbf" + "texte rédigé,label\ngood,pos\n".encode("latin-1"))
+    with pytest.raises(ConfigError, match=r"line 1 holds byte 0xe9 at column 8; "):
+        check(path)
+    path.write_bytes("text,label\ngood,pos\n".encode("utf-16"))
+    with pytest.raises(ConfigError, match=rf"^data\.path={path} is UTF-16 text; save it as UTF-8 \(iconv -f utf-16 "
+                                          r"-t utf-8 train\.csv > train-utf8\.csv\)$"):
+        check(path)
+
+
+def test_cells_that_read_na_or_null_are_texts_and_only_an_empty_cell_is_missing(
+        tmp_path: Path, tiny_bert: Path) -> None:
     """pandas' default read the texts NA, null, None, N/A and nan as empty cells: the parent (Python's csv) let the
     file by, then every rank refused row 1 for having no text."""
     path = tmp_path / "train.csv"
@@ -57,10 +73,25 @@ def test_cells_that_read_na_or_null_are_texts_and_only_an_empty_cell_is_missing(
         "NA", "null", "None", "N/A", "nan", "good"]
     job = TextClassification(str(tiny_bert), source="files", path=str(path), text_fields=["text"], label_field="label")
     assert len(job.train_set) == 6
-    # a label that reads NA is a name like any other; an empty cell is still no label, in the job's words
-    path.write_text("text,label\ngood,NA\nbad,neg\nok,\n")
-    with pytest.raises(ValueError, match=rf"^data\.path={path} row 3: no label in column 'label'"):
+    # in a label column, NA is as pandas reads it: no label (a string of it made every id a name: classes
+    # renumbered in text order, '10' before '2'), in the parent and in the job
+    for labels in ("pos,NA,neg", "1,NA,0", "1,,0"):
+        rows = zip(["good", "bad", "ok"], labels.split(","))
+        path.write_text("text,label\n" + "".join(f"{text},{label}\n" for text, label in rows))
+        with pytest.raises(ValueError, match=rf"^data\.path={path} row 2: no label in column 'label'"):
+            check(path)
+        with pytest.raises(ValueError, match=rf"^data\.path={path} row 2: no label in column 'label'"):
+            TextClassification(str(tiny_bert), source="files", path=str(path), text_fields=["text"],
+                               label_field="label")
+
+
+def test_a_line_of_only_spaces_is_skipped_as_pandas_skips_it(tmp_path: Path) -> None:
+    """The parent read it as a row without text (pandas skips it): refused, and later rows numbered one off."""
+    path = tmp_path / "train.tsv"
+    path.write_text("text\tlabel\ngood\t1\n   \nbad\t0\n\t1\n")
+    with pytest.raises(ConfigError, match=r"row 3: no text in column 'text'"):
         check(path)
+    assert len(load_file_rows(str(path), ["text", "label"])) == 3
 
 
 def test_a_tsv_is_read_as_glue_writes_it_and_its_bad_rows_are_named(tmp_path: Path, tiny_bert: Path) -> None:
@@ -85,7 +116,7 @@ def test_a_tsv_is_read_as_glue_writes_it_and_its_bad_rows_are_named(tmp_path: Pa
 @pytest.mark.parametrize(("name", "delimiter", "fix"), [
     ("excel.csv", ";", "its cells are split by ';', a .csv file's by ',': save it with ',' between cells"),
     ("tabs.csv", "\t", "its cells are split by tabs: name it tabs.tsv"),
-    ("commas.tsv", ",", "its cells are split by ',', a .tsv file's by '\\t': save it with '\\t' between cells")])
+    ("commas.tsv", ",", "its cells are split by commas: name it commas.csv")])
 def test_cells_split_by_another_delimiter_name_it(tmp_path: Path, name: str, delimiter: str, fix: str) -> None:
     """It read as one column, named after the whole header: "has no column(s) ['text', 'label'] (its columns:
     ['text;label']); set data.text_fields / data.label_field to its columns", which they were."""
@@ -100,7 +131,9 @@ def test_cells_split_by_another_delimiter_name_it(tmp_path: Path, name: str, del
     ("text,sentiment", {}, "set data.label_field=sentiment"),
     ("premise,hypothesis,label", {"text_fields": ["premise", "claim"]}, "set data.text_fields=[premise,hypothesis]"),
     ("review,stars", {}, "set data.text_fields / data.label_field to its columns"),  # two keys: which is which?
-    ("sentence,idx,label", {}, "set data.text_fields / data.label_field to its columns")])  # two columns for one
+    ("sentence,idx,label", {}, "set data.text_fields / data.label_field to its columns"),  # two columns for one
+    # no name the config wants between its ';': a column's own name, not a file split by ';'
+    ("text;notes", {"text_fields": ["review"]}, "set data.text_fields / data.label_field to its columns")])
 def test_a_column_the_file_lacks_is_answered_with_the_one_it_has(
         tmp_path: Path, header: str, overrides: dict, fix: str) -> None:
     path = tmp_path / "train.csv"

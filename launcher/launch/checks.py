@@ -142,9 +142,10 @@ def check_job_inputs(config: dict[str, Any], pinned: dict[str, dict[str, str]]) 
         columns = columns_of(path) if path else None
         missing = [c for c in wanted if columns is not None and c not in columns]
         if missing:
-            split = one_column_split_by(columns or [], path.suffix)
+            split = one_column_split_by(columns or [], missing, path.suffix)
             ours = DIALECTS.get(path.suffix, {}).get("delimiter", ",")
             fix = (f"its cells are split by tabs: name it {path.stem}.tsv" if split == "\t" else
+                   f"its cells are split by commas: name it {path.stem}.csv" if split == "," else
                    f"its cells are split by {split!r}, a {path.suffix} file's by {ours!r}: save it with {ours!r} "
                    f"between cells" if split else _columns_fix(data, missing, columns or []))
             raise ConfigError(f"data.{key}={path} has no column(s) {missing} (its columns: {columns}); {fix}")

@@ -1,8 +1,7 @@
-"""What the parent reads of a job's local data files before any worker starts: their columns, whether they hold a
-sample, bytes that are no UTF-8, and the first bad row (a line that is no JSON, an empty text), each named by its
-line or row.
+"""What the parent reads of a job's local data files before any worker starts, each finding named by its line or row.
 
-Exercised by: tests/test_own_data.py, tests/test_bad_input.py, tests/test_data_formats.py.
+Their encoding (UTF-8), columns, whether they hold a sample, and the first bad row (a line that is no JSON, an empty
+text). Exercised by: tests/test_own_data.py, tests/test_bad_input.py, tests/test_data_formats.py.
 """
 from __future__ import annotations
 
@@ -10,7 +9,7 @@ import csv
 import json
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 # a TSV is a CSV of tabs without quoting (GLUE's files: a text may hold a lone '"'), as the jobs read it
 DIALECTS = {".csv": {}, ".tsv": {"delimiter": "\t", "quoting": csv.QUOTE_NONE}}
@@ -21,19 +20,22 @@ csv.field_size_limit(min(sys.maxsize, 2**31 - 1))
 
 def not_utf8(path: Path) -> str | None:
     """Where a text data file (CSV, TSV, JSON Lines, JSON, .txt) first holds bytes that are no UTF-8, the only encoding
-    the jobs' readers take (a Latin-1 file passed every other check, then failed on every rank in pandas'
-    decoder); files are read up to MAX_SCANNED_BYTES."""
+    the jobs' readers take (a Latin-1 file stopped the parent in a traceback, or each rank in pandas' decoder);
+    files are read up to MAX_SCANNED_BYTES."""
     if path.suffix not in (*DIALECTS, ".jsonl", ".json", ".txt"):
         return None
+    convert = f"{path.name} > {path.stem}-utf8{path.suffix}"
     read = 0
     with open(path, "rb") as f:  # (by line: 0x0a is never part of a multi-byte UTF-8 character)
         for number, line in enumerate(f, 1):
+            if number == 1 and line.startswith((b"\xff\xfe", b"\xfe\xff")):  # Excel's "Unicode Text"
+                return f"is UTF-16 text; save it as UTF-8 (iconv -f utf-16 -t utf-8 {convert})"
             try:
                 line.decode("utf-8")
             except UnicodeDecodeError as err:
-                return (f"is no UTF-8 text: line {number} holds byte {line[err.start]:#04x} at column {err.start + 1}; "
-                        f"save it as UTF-8 (a Latin-1 file: iconv -f latin1 -t utf-8 {path.name} > "
-                        f"{path.stem}-utf8{path.suffix})")
+                column = len(line[:err.start].decode("utf-8-sig")) + 1  # in characters, as an editor counts
+                return (f"is no UTF-8 text: line {number} holds byte {line[err.start]:#04x} at column {column}; save "
+                        f"it as UTF-8 (a file of Windows' Western encoding: iconv -f cp1252 -t utf-8 {convert})")
             read += len(line)
             if read > MAX_SCANNED_BYTES:
                 break
@@ -44,8 +46,7 @@ def columns_of(path: Path) -> list[str] | None:
     """Column names of a CSV / TSV / JSON Lines / Parquet file (None for other formats)."""
     if path.suffix in DIALECTS:
         with open(path, newline="", encoding="utf-8-sig") as f:  # Excel's BOM is no part of the first name
-            rows = csv.reader(f, **DIALECTS[path.suffix])
-            return next((row for row in rows if row), [])  # blank lines are skipped when read, too
+            return next(_csv_rows(f, path.suffix), [])
     if path.suffix in (".jsonl", ".json"):
         with open(path, encoding="utf-8-sig") as f:
             first = next((line for line in f if line.strip()), "")
@@ -60,12 +61,17 @@ def columns_of(path: Path) -> list[str] | None:
     return None
 
 
-def one_column_split_by(columns: list[str], suffix: str) -> str | None:
-    """The delimiter of a CSV / TSV file whose header reads as one column split by another one (Excel's ';' in
-    much of Europe, a tab in a .csv), else None."""
+def one_column_split_by(columns: list[str], missing: list[str], suffix: str) -> str | None:
+    """The delimiter of a CSV / TSV file whose header reads as one column split by another one, between names the
+    config wants (Excel's ';' in much of Europe, a tab in a .csv), else None."""
     ours = DIALECTS.get(suffix, {}).get("delimiter", ",")
     return next((d for d in (";", "\t", ",", "|") if suffix in DIALECTS and len(columns) == 1 and d != ours
-                 and d in columns[0]), None)
+                 and set(missing) & set(columns[0].split(d))), None)
+
+
+def _csv_rows(f: Any, suffix: str) -> Iterator[list[str]]:
+    """The rows of a CSV / TSV file, the header first, without the lines pandas skips: empty or only whitespace."""
+    return (row for row in csv.reader(f, **DIALECTS[suffix]) if row and not (len(row) == 1 and not row[0].strip()))
 
 
 def has_rows(path: Path) -> bool:
@@ -79,32 +85,31 @@ def has_rows(path: Path) -> bool:
         return path.stat().st_size > 0
     with open(path, newline="", encoding="utf-8-sig", errors="replace") as f:
         if path.suffix in DIALECTS:
-            rows = (row for row in csv.reader(f, **DIALECTS[path.suffix]) if row)  # (blank lines: skipped, as read)
+            rows = _csv_rows(f, path.suffix)
             return next(rows, None) is not None and next(rows, None) is not None  # one beyond the header
         return any(line.strip() for line in f)
 
 
 def first_bad_row(path: Path, fields: list[str]) -> str | None:
-    """What is wrong with the first bad sample of a CSV / JSON Lines file: a JSON line that is no object, a CSV row
-    of more cells than its header, or no text in one of `fields` (rows numbered as the jobs number them: from 1,
+    """What is wrong with the first bad sample of a CSV / TSV / JSON Lines file: a JSON line that is no object, a
+    row of more cells than its header, or no text in one of `fields` (rows numbered as the jobs number them: from 1,
     after the header); files over MAX_SCANNED_BYTES are left to the job."""
     if path.suffix not in (*DIALECTS, ".jsonl") or path.stat().st_size > MAX_SCANNED_BYTES:
         return None
     with open(path, newline="", encoding="utf-8-sig", errors="replace") as f:
         if path.suffix in DIALECTS:
-            reader = csv.DictReader(f, **DIALECTS[path.suffix])
-            rows = enumerate(reader, 1)
+            cells = _csv_rows(f, path.suffix)
+            header = next(cells, [])
+            rows = enumerate(((dict(zip(header, row)), len(row)) for row in cells), 1)
         else:
-            rows = enumerate(_json_lines(f), 1)
+            header, rows = [], enumerate(((row, 0) for row in _json_lines(f)), 1)
         try:
-            for number, row in rows:
-                if None in row:  # DictReader's key for the cells beyond the header's (pandas misreads the file)
-                    names = len(reader.fieldnames or [])
+            for number, (row, count) in rows:
+                if count > len(header):  # cells beyond the header's (pandas misreads the file)
                     fix = ("a text holds a tab (a TSV quotes none: make it a space), or drop a trailing tab"
                            if path.suffix == ".tsv" else
                            "quote a text that holds a comma (\"bad, really\"), or drop a trailing comma")
-                    return f"row {number} has {names + len(row[None])} cells where the header names {names} columns; " \
-                           f"{fix}"
+                    return f"row {number} has {count} cells where the header names {len(header)} columns; {fix}"
                 for field in fields:
                     value = row.get(field)
                     if value is None or not str(value).strip():

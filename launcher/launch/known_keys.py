@@ -43,15 +43,16 @@ PEER_NAMES: dict[str, tuple[str, str | None]] = {
     **dict.fromkeys(("max_iters", "max_train_steps", "num_train_steps", "total_steps"), ("train.max_steps", None)),
     **dict.fromkeys(("epochs", "num_epochs", "max_epochs", "num_train_epochs"), STEPS_NOT_EPOCHS),
     **dict.fromkeys(("gradient_accumulation_steps", "accumulate_grad_batches"), ACCUMULATION),
-    **dict.fromkeys(("per_device_train_batch_size", "train_micro_batch_size_per_gpu"), ("train.micro_batch_size", None)),
-    **dict.fromkeys(("eval_interval", "eval_steps", "val_check_interval"), ("train.eval_every", None)),
+    **dict.fromkeys(("per_device_train_batch_size", "train_micro_batch_size_per_gpu"),
+                    ("train.micro_batch_size", None)),
+    **dict.fromkeys(("eval_interval", "eval_steps"), ("train.eval_every", None)),  # (Lightning's counts batches)
     **dict.fromkeys(("log_interval", "logging_steps", "log_every_n_steps"), ("train.log_every", None)),
     **dict.fromkeys(("save_steps", "save_interval", "checkpoint_interval"), ("train.ckpt_every", None)),
     "save_total_limit": ("train.keep_checkpoints", None),
     **dict.fromkeys(("warmup_iters", "num_warmup_steps"), ("scheduler.warmup_steps", None)),
     "learning_rate": ("optimizer.lr", None),
     **dict.fromkeys(("mixed_precision", "amp"), BY_THE_PRECISION),
-    "fp16": ("precision=fp16", "or bf16, fp32, auto"), "bf16": BY_THE_PRECISION,
+    "fp16": ("precision=fp16", "or bf16, fp32, auto"), "bf16": BY_THE_PRECISION,  # (fp16=false: still the choice)
     "resume_from_checkpoint": ("resume=must", "from the newest checkpoint of the run dir that hydra.run.dir names"),
     "output_dir": ("hydra.run.dir", None),
 }
@@ -127,9 +128,6 @@ def elsewhere(cfg: DictConfig, full_key: str) -> str | None:
         return None
     given = [arg.split("=", 1)[1] for arg in sys.argv[1:] if arg.split("=", 1)[0].lstrip("+~") == full_key]
     value = f"={given[0]}" if given else "=..."
-    if name in PEER_NAMES:
-        ours, note = PEER_NAMES[name]
-        return f"{ours} ({note})" if note else f"{ours}{value}"
     if name == "name" and (CONF_DIR / root).is_dir():  # a group's name is its choice
         return f"{root}{value}"
     top = {str(key): node for key, node in cfg.items_ex(resolve=False)}
@@ -146,7 +144,17 @@ def elsewhere(cfg: DictConfig, full_key: str) -> str | None:
               else None)  # (not train.scheduler.x, nor +seed)
     if option and (option[1] or not found):  # an option of the same job beats a key of another group
         return option[0]
-    return " or ".join(found) or None  # (+seed=1: data.seed or train.seed)
+    return " or ".join(found) or _ours(name, value)  # (+seed=1: data.seed or train.seed)
+
+
+def _ours(peer: str, value: str) -> str | None:
+    """The key of ours for a peer's name (PEER_NAMES): with the user's value where it means the same; a group's
+    choice where the value names one (+mixed_precision=fp16: precision=fp16)."""
+    ours, note = PEER_NAMES.get(peer, (None, None))
+    group = (ours or "").partition("=")[0]
+    if ours and "=" in ours and (CONF_DIR / group / f"{value[1:]}.yaml").is_file():
+        return f"{group}{value}"
+    return None if ours is None else f"{ours} ({note})" if note else f"{ours}{value}"
 
 
 def _option_with(group: str, full_key: str, value: str, chosen: object) -> tuple[str, bool] | None:

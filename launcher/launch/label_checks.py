@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from launcher.derived import ConfigError
+from launcher.launch.data_files import DIALECTS
 
 NUM_LABELS_KEY = "num_labels"  # a data section that names it classifies: its labels are class ids or names
 UNKNOWN = "unknown"  # the label names of a model the parent cannot read (a hub id): the job checks names itself
@@ -29,17 +30,18 @@ def _listed(names: list[Any], most: int = 10) -> str:
 def read_labels(path: Path, field: str, most_bytes: int) -> list[Any] | None:
     """The label column of a CSV / TSV / JSON Lines / Parquet file, each value as the job's reader gives it; None where
     the parent leaves the file to the job (another format, over most_bytes, a file its reader fails on)."""
-    if path.suffix not in (".csv", ".tsv", ".jsonl", ".parquet") or path.stat().st_size > most_bytes:
+    if path.suffix not in (*DIALECTS, ".jsonl", ".parquet") or path.stat().st_size > most_bytes:
         return None
     try:
-        if path.suffix in (".csv", ".tsv"):
-            # pandas, as datasets reads a CSV with the jobs' options (jobs/text.py: only an empty cell is missing,
-            # the text NA is NA): it types the column (1 and 2 are ids, 0.4 a float, an int column with an empty
-            # cell floats), which only its own parser tells exactly
+        if path.suffix in DIALECTS:
+            # pandas, as datasets reads a CSV: it types the column (1 and 2 are ids, 0.4 a float, an int column with an
+            # empty cell floats, NA and empty cells missing: jobs/text.py keeps pandas' missing cells in the label
+            # column), which only its own parser tells exactly
             import pandas as pd  # here: a slow import that only a CSV's labels need
 
-            tsv = {"sep": "\t", "quoting": csv.QUOTE_NONE} if path.suffix == ".tsv" else {}
-            return pd.read_csv(path, usecols=[field], keep_default_na=False, na_values=[""], **tsv)[field].tolist()
+            dialect = DIALECTS[path.suffix]
+            return pd.read_csv(path, usecols=[field], sep=dialect.get("delimiter", ","),
+                               quoting=dialect.get("quoting", csv.QUOTE_MINIMAL))[field].tolist()
         if path.suffix == ".parquet":
             import pyarrow.parquet as pq
 
