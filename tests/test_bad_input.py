@@ -184,10 +184,10 @@ CASES = {  # name: (overrides, or a function of tmp_path giving them; what the l
                                           "scancel"),
     "run dir cannot be made": (["+exp=toy", "hydra.run.dir=/etc/passwd/run"], "hydra.run.dir (or hydra.sweep.dir) "
                                "cannot be created: NotADirectoryError: [Errno 20] Not a directory: '/etc/passwd/run'; "
-                               "give a dir path this user can create"),
+                               "give a path this user can create"),
     "run dir under a dir that cannot have one": (  # mkdir raised again in its retry: one error, not two joined
         ["+exp=toy", "hydra.run.dir=/proc/launcher-test"], "cannot be created: FileNotFoundError: [Errno 2] No such "
-        "file or directory: '/proc/launcher-test'; give a dir"),
+        "file or directory: '/proc/launcher-test'; give a path"),
     "unreadable run dir": (lambda tmp: ["+exp=toy", f"hydra.run.dir={make_run_dir_with_corrupt_config(tmp)}"],
                            "config.yaml cannot be read"),
 }

@@ -60,6 +60,12 @@ def test_where_a_byte_is_no_utf_8_counts_characters_and_utf_16_is_named(tmp_path
     with pytest.raises(ConfigError, match=rf"^data\.path={path} is UTF-16 text; save it as UTF-8 \(iconv -f utf-16 "
                                           r"-t utf-8 train\.csv > train-utf8\.csv\)$"):
         check(path)
+    # UTF-32's mark starts as UTF-16's; without a mark, UTF-16's NUL bytes are valid UTF-8
+    for encoding, said in [("utf-32", "UTF-32 text; save it as UTF-8 (iconv -f utf-32"),
+                           ("utf-16-le", "UTF-16 (or UTF-32) text; save it as UTF-8 (iconv -f utf-16")]:
+        path.write_bytes("text,label\ngood,pos\n".encode(encoding))
+        with pytest.raises(ConfigError, match=re.escape(f"is {said}")):
+            check(path)
 
 
 def test_cells_that_read_na_or_null_are_texts_and_only_an_empty_cell_is_missing(
@@ -92,6 +98,19 @@ def test_a_line_of_only_spaces_is_skipped_as_pandas_skips_it(tmp_path: Path) -> 
     with pytest.raises(ConfigError, match=r"row 3: no text in column 'text'"):
         check(path)
     assert len(load_file_rows(str(path), ["text", "label"])) == 3
+    # a name twice: pandas reads the first as it (the second as text.1), and so does the parent
+    path.write_text("text\tlabel\ttext\ngood\t1\t\n")
+    check(path)
+    assert load_file_rows(str(path), ["text", "label"])[0]["text"] == "good"
+
+
+def test_a_label_column_among_the_texts_is_refused(tmp_path: Path) -> None:
+    """The model would read its label: an eval accuracy of 1.0 that means nothing (the job and the parent also read
+    its NA differently: text, no label)."""
+    path = tmp_path / "train.csv"
+    path.write_text("text,label\ngood,1\n")
+    with pytest.raises(ConfigError, match=r"^data\.label_field=label is one of data\.text_fields=\['text', 'label'\]"):
+        check(path, text_fields=["text", "label"])
 
 
 def test_a_tsv_is_read_as_glue_writes_it_and_its_bad_rows_are_named(tmp_path: Path, tiny_bert: Path) -> None:
@@ -126,12 +145,22 @@ def test_cells_split_by_another_delimiter_name_it(tmp_path: Path, name: str, del
         check(path)
 
 
+def test_an_eval_file_whose_columns_are_not_the_train_file_s_is_told_to_follow_it(tmp_path: Path) -> None:
+    """The override for the eval file (data.text_fields=[sentence]) would have broken the train file."""
+    (tmp_path / "train.csv").write_text("text,label\ngood,1\n")
+    (tmp_path / "dev.csv").write_text("sentence,label\ngood,1\n")
+    with pytest.raises(ConfigError, match=r"^data\.eval_path=.*dev\.csv has no column\(s\) \['text'\] \(its columns: "
+                                          r"\['sentence', 'label'\]\); rename its column\(s\) as in data\.path$"):
+        check(tmp_path / "train.csv", eval_path=str(tmp_path / "dev.csv"))
+
+
 @pytest.mark.parametrize(("header", "overrides", "fix"), [
     ("sentence,label", {}, "set data.text_fields=[sentence]"),  # GLUE's SST-2 column
     ("text,sentiment", {}, "set data.label_field=sentiment"),
     ("premise,hypothesis,label", {"text_fields": ["premise", "claim"]}, "set data.text_fields=[premise,hypothesis]"),
     ("review,stars", {}, "set data.text_fields / data.label_field to its columns"),  # two keys: which is which?
     ("sentence,idx,label", {}, "set data.text_fields / data.label_field to its columns"),  # two columns for one
+    ("my text,label", {}, "set data.text_fields / data.label_field to its columns"),  # (no one shell argument)
     # no name the config wants between its ';': a column's own name, not a file split by ';'
     ("text;notes", {"text_fields": ["review"]}, "set data.text_fields / data.label_field to its columns")])
 def test_a_column_the_file_lacks_is_answered_with_the_one_it_has(

@@ -131,6 +131,10 @@ def check_job_inputs(config: dict[str, Any], pinned: dict[str, dict[str, str]]) 
         raise ConfigError(f"data.{TEXT_FIELDS_KEY}={fields} names {len(fields)} columns; the tokenizer takes a text "
                           f"or a pair of texts: name one or two (join the others into one column)")
     wanted = [c for key in COLUMN_KEYS for c in ([data[key]] if isinstance(data.get(key), str) else data.get(key) or [])]
+    label = data.get("label_field")
+    if isinstance(label, str) and label in ([fields] if isinstance(fields, str) else fields or []):
+        raise ConfigError(f"data.label_field={label} is one of data.{TEXT_FIELDS_KEY}={fields}: the model would read "
+                          f"the label it is to predict; name the label's column and the text's apart")
     for key in PATH_KEYS:
         path = Path(data[key]) if data.get(key) else None
         undecodable = not_utf8(path) if path else None
@@ -147,7 +151,8 @@ def check_job_inputs(config: dict[str, Any], pinned: dict[str, dict[str, str]]) 
             fix = (f"its cells are split by tabs: name it {path.stem}.tsv" if split == "\t" else
                    f"its cells are split by commas: name it {path.stem}.csv" if split == "," else
                    f"its cells are split by {split!r}, a {path.suffix} file's by {ours!r}: save it with {ours!r} "
-                   f"between cells" if split else _columns_fix(data, missing, columns or []))
+                   f"between cells" if split else _columns_fix(data, missing, columns or []) if key == "path" else
+                   f"rename its column(s) as in data.path")
             raise ConfigError(f"data.{key}={path} has no column(s) {missing} (its columns: {columns}); {fix}")
         texts = [c for k in (TEXT_FIELDS_KEY, "text_field") for c in ([data[k]] if isinstance(data.get(k), str)
                                                                      else data.get(k) or [])]
@@ -165,7 +170,9 @@ def _columns_fix(data: dict[str, Any], missing: list[str], columns: list[str]) -
     named = {key: [data[key]] if isinstance(data.get(key), str) else list(data.get(key) or []) for key in COLUMN_KEYS}
     spare = [c for c in columns if not any(c in names for names in named.values())]
     lacking = [key for key, names in named.items() if set(names) & set(missing)]
-    if len(lacking) == 1 and len(spare) == len([c for c in named[lacking[0]] if c in missing]):
+    # (a name of a space or a comma makes no override to paste as one shell argument)
+    if len(lacking) == 1 and len(spare) == len([c for c in named[lacking[0]] if c in missing]) and \
+            not any(c in name for name in spare for c in " ,'\"[]="):
         key, unnamed = lacking[0], iter(spare)
         names = [next(unnamed) if c in missing else c for c in named[key]]
         return f"set data.{key}={names[0] if isinstance(data[key], str) else '[' + ','.join(names) + ']'}"

@@ -13,6 +13,9 @@ from typing import Any, Iterator
 
 # a TSV is a CSV of tabs without quoting (GLUE's files: a text may hold a lone '"'), as the jobs read it
 DIALECTS = {".csv": {}, ".tsv": {"delimiter": "\t", "quoting": csv.QUOTE_NONE}}
+# byte order marks of the wide encodings (UTF-32's first: UTF-16 LE's is its prefix); Excel's "Unicode Text" is UTF-16
+WIDE_MARKS = ((b"\xff\xfe\x00\x00", "UTF-32"), (b"\x00\x00\xfe\xff", "UTF-32"), (b"\xff\xfe", "UTF-16"),
+              (b"\xfe\xff", "UTF-16"))
 MAX_SCANNED_BYTES = 256 << 20  # data files the parent reads whole for empty cells, labels (larger: the job finds them)
 # pandas reads cells of any length; Python's csv stops at 128 KiB (a long document in a CSV is no error)
 csv.field_size_limit(min(sys.maxsize, 2**31 - 1))
@@ -28,12 +31,14 @@ def not_utf8(path: Path) -> str | None:
     read = 0
     with open(path, "rb") as f:  # (by line: 0x0a is never part of a multi-byte UTF-8 character)
         for number, line in enumerate(f, 1):
-            if number == 1 and line.startswith((b"\xff\xfe", b"\xfe\xff")):  # Excel's "Unicode Text"
-                return f"is UTF-16 text; save it as UTF-8 (iconv -f utf-16 -t utf-8 {convert})"
+            wide = next((name for mark, name in WIDE_MARKS if number == 1 and line.startswith(mark)), None)
+            if wide or b"\x00" in line:  # (without its mark, UTF-16's NUL bytes are valid UTF-8: NUL, in each text)
+                return (f"is {wide or 'UTF-16 (or UTF-32)'} text; save it as UTF-8 "
+                        f"(iconv -f {(wide or 'utf-16').lower()} -t utf-8 {convert})")
             try:
                 line.decode("utf-8")
-            except UnicodeDecodeError as err:
-                column = len(line[:err.start].decode("utf-8-sig")) + 1  # in characters, as an editor counts
+            except UnicodeDecodeError as err:  # the column in characters, as an editor counts (a BOM is none)
+                column = len(line[:err.start].decode("utf-8-sig" if number == 1 else "utf-8")) + 1
                 return (f"is no UTF-8 text: line {number} holds byte {line[err.start]:#04x} at column {column}; save "
                         f"it as UTF-8 (a file of Windows' Western encoding: iconv -f cp1252 -t utf-8 {convert})")
             read += len(line)
@@ -70,8 +75,8 @@ def one_column_split_by(columns: list[str], missing: list[str], suffix: str) -> 
 
 
 def _csv_rows(f: Any, suffix: str) -> Iterator[list[str]]:
-    """The rows of a CSV / TSV file, the header first, without the lines pandas skips: empty or only whitespace."""
-    return (row for row in csv.reader(f, **DIALECTS[suffix]) if row and not (len(row) == 1 and not row[0].strip()))
+    """The rows of a CSV / TSV file, the header first, without the lines pandas skips: empty, or spaces and tabs."""
+    return (row for row in csv.reader(f, **DIALECTS[suffix]) if row and not (len(row) == 1 and not row[0].strip(" \t")))
 
 
 def has_rows(path: Path) -> bool:
@@ -100,7 +105,9 @@ def first_bad_row(path: Path, fields: list[str]) -> str | None:
         if path.suffix in DIALECTS:
             cells = _csv_rows(f, path.suffix)
             header = next(cells, [])
-            rows = enumerate(((dict(zip(header, row)), len(row)) for row in cells), 1)
+            # a name twice: pandas reads the first as it, the second as name.1
+            rows = enumerate((({h: row[i] for i, h in reversed(list(enumerate(header))) if i < len(row)}, len(row))
+                              for row in cells), 1)
         else:
             header, rows = [], enumerate(((row, 0) for row in _json_lines(f)), 1)
         try:

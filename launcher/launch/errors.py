@@ -60,7 +60,7 @@ def condense(text: str) -> str:
     if "mkdir" in text and "Error" in message:  # Hydra creates the run dir before our code runs
         # (pathlib's mkdir raises again as it retries after making the parents: the last error is the one that stood)
         last = [line for line in lines if re.match(r"\w+Error: ", line)][-1:] or [message]
-        message = f"hydra.run.dir (or hydra.sweep.dir) cannot be created: {last[0]}; give a dir path this user can create"
+        message = f"hydra.run.dir (or hydra.sweep.dir) cannot be created: {last[0]}; give a path this user can create"
     message = _primary_hint(_argparse_hint(_group_hint(_type_hint(message))))
     if re.search(r"Could not find '(exp|data|model)/[^']+'", message) and \
             not any(arg.startswith(("-cd", "--config-dir")) for arg in sys.argv):  # (the groups a job of one's own adds)

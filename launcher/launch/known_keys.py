@@ -152,8 +152,8 @@ def _ours(peer: str, value: str) -> str | None:
     choice where the value names one (+mixed_precision=fp16: precision=fp16)."""
     ours, note = PEER_NAMES.get(peer, (None, None))
     group = (ours or "").partition("=")[0]
-    if ours and "=" in ours and (CONF_DIR / group / f"{value[1:]}.yaml").is_file():
-        return f"{group}{value}"
+    if ours and "=" in ours and value[1:].strip("'\"") in {path.stem for path in (CONF_DIR / group).glob("*.yaml")}:
+        return f"{group}={value[1:].strip(chr(39) + chr(34))}"
     return None if ours is None else f"{ours} ({note})" if note else f"{ours}{value}"
 
 
