@@ -178,6 +178,11 @@ class SeesAutocast(ToyRegression):
         self.autocast.append(torch.is_autocast_enabled("cpu"))
         return super().eval_sums(model, batch)
 
+    def loss_sum(self, model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The inputs as they come (the toy's own casts them to the weights' dtype): bf16 weights on fp32 inputs run
+        only under autocast, as in a job of that kind."""
+        return ((model(batch["x"]) - batch["y"]) ** 2).mean(dim=1).sum()
+
 
 def test_the_eval_sums_probe_runs_at_the_weights_own_precision() -> None:
     """precision=bf16: the mean-or-sum probe of eval_sums compares its four forwards at fp32 (the weights'), not
