@@ -18,8 +18,8 @@ import torch
 from omegaconf import OmegaConf
 
 from launcher.derived import CHECKPOINTING_KEY, ConfigError
-from launcher.launch.data_files import (DIALECTS, MAX_SCANNED_BYTES, columns_of, first_bad_row, has_rows, not_utf8,
-                                        one_column_split_by)
+from launcher.launch.data_files import (MAX_SCANNED_BYTES, columns_of, first_bad_row, has_rows, not_utf8,
+                                        split_by_another)
 from launcher.launch.label_checks import check_labels
 from launcher.launch.tokenizer_check import TOKENIZER_KEY, check_tokenizer
 from launcher.rundir import PRETRAINED_KEYS, is_run_dir, newest_checkpoint, pinned_checkpoint
@@ -146,13 +146,8 @@ def check_job_inputs(config: dict[str, Any], pinned: dict[str, dict[str, str]]) 
         columns = columns_of(path) if path else None
         missing = [c for c in wanted if columns is not None and c not in columns]
         if missing:
-            split = one_column_split_by(columns or [], missing, path.suffix)
-            ours = DIALECTS.get(path.suffix, {}).get("delimiter", ",")
-            fix = (f"its cells are split by tabs: name it {path.stem}.tsv" if split == "\t" else
-                   f"its cells are split by commas: name it {path.stem}.csv" if split == "," else
-                   f"its cells are split by {split!r}, a {path.suffix} file's by {ours!r}: save it with {ours!r} "
-                   f"between cells" if split else _columns_fix(data, missing, columns or []) if key == "path" else
-                   f"rename its column(s) as in data.path")
+            fix = split_by_another(columns or [], missing, path) or (
+                _columns_fix(data, missing, columns or []) if key == "path" else "rename its column(s) as in data.path")
             raise ConfigError(f"data.{key}={path} has no column(s) {missing} (its columns: {columns}); {fix}")
         texts = [c for k in (TEXT_FIELDS_KEY, "text_field") for c in ([data[k]] if isinstance(data.get(k), str)
                                                                      else data.get(k) or [])]

@@ -66,12 +66,17 @@ def columns_of(path: Path) -> list[str] | None:
     return None
 
 
-def one_column_split_by(columns: list[str], missing: list[str], suffix: str) -> str | None:
-    """The delimiter of a CSV / TSV file whose header reads as one column split by another one, between names the
+def split_by_another(columns: list[str], missing: list[str], path: Path) -> str | None:
+    """The fix for a CSV / TSV file whose header reads as one column split by another delimiter, between names the
     config wants (Excel's ';' in much of Europe, a tab in a .csv), else None."""
-    ours = DIALECTS.get(suffix, {}).get("delimiter", ",")
-    return next((d for d in (";", "\t", ",", "|") if suffix in DIALECTS and len(columns) == 1 and d != ours
-                 and set(missing) & set(columns[0].split(d))), None)
+    ours = DIALECTS.get(path.suffix, {}).get("delimiter", ",")
+    split = next((d for d in (";", "\t", ",", "|") if path.suffix in DIALECTS and len(columns) == 1 and d != ours
+                  and set(missing) & set(columns[0].split(d))), None)
+    renamed = {"\t": ("tabs", ".tsv"), ",": ("commas", ".csv")}  # the other suffix reads it
+    if split in renamed:
+        return f"its cells are split by {renamed[split][0]}: name it {path.stem}{renamed[split][1]}"
+    return split and f"its cells are split by {split!r}, a {path.suffix} file's by {ours!r}: save it with {ours!r} " \
+                     f"between cells"
 
 
 def _csv_rows(f: Any, suffix: str) -> Iterator[list[str]]:

@@ -34,7 +34,7 @@ GIVEN_BY_THE_WORKER = {"params"}  # the optimizer's parameters: the worker passe
 
 STEPS_NOT_EPOCHS = ("train.max_steps", "a run counts optimizer steps, not epochs")
 ACCUMULATION = ("train.global_batch_size", "accumulation steps = global_batch_size / (micro_batch_size x ranks)")
-BY_THE_PRECISION = ("precision=bf16", "or fp16, fp32, auto")  # (a choice of a group: no value follows)
+BY_THE_PRECISION = ("precision=bf16", "or fp16, fp32, auto")  # (a group's choice: the value only where it is one)
 # what HF's Trainer and Accelerate, Lightning and nanoGPT call keys of ours: a name no group has, so the guess by
 # spelling missed (train.grad_clip listed TrainConfig's 30 keys), -> (our key, None: the same value means the same;
 # or a note: the user's value is no value of ours, epochs=3 no train.max_steps=3)
@@ -151,9 +151,9 @@ def _ours(peer: str, value: str) -> str | None:
     """The key of ours for a peer's name (PEER_NAMES): with the user's value where it means the same; a group's
     choice where the value names one (+mixed_precision=fp16: precision=fp16)."""
     ours, note = PEER_NAMES.get(peer, (None, None))
-    group = (ours or "").partition("=")[0]
-    if ours and "=" in ours and value[1:].strip("'\"") in {path.stem for path in (CONF_DIR / group).glob("*.yaml")}:
-        return f"{group}={value[1:].strip(chr(39) + chr(34))}"
+    group, choice = (ours or "").partition("=")[0], value[1:].strip("'\"")
+    if ours and "=" in ours and choice in {path.stem for path in (CONF_DIR / group).glob("*.yaml")}:
+        return f"{group}={choice}"
     return None if ours is None else f"{ours} ({note})" if note else f"{ours}{value}"
 
 
