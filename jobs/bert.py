@@ -18,6 +18,7 @@ from jobs.labels import Labels
 from jobs.pretrained_files import write_pretrained_files
 from jobs.text import (GLUE_FIELDS, DataError, check_text, corpus_lines, load_file_rows, load_hub_rows,
                        sentiment_rows, text_columns, text_file_rows)
+from jobs.vocab import fit_embeddings
 
 transformers.utils.logging.disable_progress_bar()
 if os.environ.get("RANK", "0") != "0":  # one load report is enough
@@ -75,10 +76,11 @@ def _config(pretrained: str, dropout: float | None, **kwargs: Any) -> dict[str, 
 
 
 def classification_model(pretrained: str, num_labels: int, dtype: str = "float32", dropout: float | None = None,
-                         activation_checkpointing: bool = False) -> torch.nn.Module:
-    """A hub id (bert-base-uncased) or a local dir; the classifier head is new when it has none."""
-    model = _load_model(AutoModelForSequenceClassification, pretrained,
-                        **_config(pretrained, dropout, num_labels=num_labels))
+                         activation_checkpointing: bool = False, tokenizer: str | None = None) -> torch.nn.Module:
+    """A hub id (bert-base-uncased) or a local dir; the classifier head is new when it has none. `tokenizer`: the
+    data's, whose added tokens get embedding rows (jobs/vocab.py)."""
+    model = fit_embeddings(_load_model(AutoModelForSequenceClassification, pretrained,
+                                       **_config(pretrained, dropout, num_labels=num_labels)), tokenizer)
     return checkpoint_activations(use_sdpa_unmasked(model), activation_checkpointing).to(getattr(torch, dtype))
 
 
@@ -108,13 +110,14 @@ def _masked_positions(labels: torch.Tensor) -> torch.Tensor:
 
 
 def masked_lm_model(pretrained: str, dtype: str = "float32", dropout: float | None = None,
-                    activation_checkpointing: bool = False) -> torch.nn.Module:
-    """BERT weights from a hub id or local dir; an MLM head is initialised when the dir has none."""
+                    activation_checkpointing: bool = False, tokenizer: str | None = None) -> torch.nn.Module:
+    """BERT weights from a hub id or local dir; an MLM head is initialised when the dir has none. `tokenizer`: as
+    classification_model's."""
     model_type = _from_pretrained(AutoConfig, pretrained).model_type
     if model_type != "bert":  # BertForMaskedLM would load none of its weights and pre-train from random ones
         raise DataError(f"model.pretrained={pretrained} is a {model_type} model; model=bert_mlm pre-trains BERT only "
                          f"(model_type bert, as bert-base-uncased): give a BERT checkpoint")
-    model = _load_model(BertMaskedLMSum, pretrained, **_config(pretrained, dropout))
+    model = fit_embeddings(_load_model(BertMaskedLMSum, pretrained, **_config(pretrained, dropout)), tokenizer)
     return checkpoint_activations(use_sdpa_unmasked(model), activation_checkpointing).to(getattr(torch, dtype))
 
 

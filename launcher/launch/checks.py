@@ -87,6 +87,8 @@ def check_job_inputs(config: dict[str, Any], pinned: dict[str, dict[str, str]]) 
                 raise ConfigError(f"{group}.{key}={value} does not exist; give an existing file")
         for key in PRETRAINED_KEYS:
             value = section.get(key)
+            if group == "model" and key == TOKENIZER_KEY and value == (config.get("data") or {}).get(key):
+                continue  # the BERT models' ${data.tokenizer}: told as the data's key, which the user gave
             if is_run_dir(value):
                 if not pinned_checkpoint(pinned, f"{group}.{key}", value):  # later starts build from the pinned one
                     _check_pretrained_run(f"{group}.{key}", value, (config.get("launcher") or {}).get("after"))
@@ -155,7 +157,7 @@ def check_job_inputs(config: dict[str, Any], pinned: dict[str, dict[str, str]]) 
         if bad:  # the workers would find it too, after seconds of start-up, on every rank
             raise ConfigError(f"data.{key}={path} {bad}")
     tokenizer = _model_source(data.get(TOKENIZER_KEY), pinned, f"data.{TOKENIZER_KEY}")
-    check_tokenizer(data, tokenizer, pretrained, model_dir)
+    check_tokenizer(data, tokenizer, pretrained, model_dir, (config.get("model") or {}).get(TOKENIZER_KEY) is not None)
     check_labels(data, tokenizer, MAX_SCANNED_BYTES)
 
 

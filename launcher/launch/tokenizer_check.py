@@ -3,8 +3,9 @@ embeddings hold. By key name (data.tokenizer, model.pretrained), as launcher/lau
 
 Without any tokenizer file in its dir, transformers 5 makes a tokenizer of its 5 special tokens from the model's
 config: a run trained on every word as [UNK], exit 0. A tokenizer of more words than the model's vocab_size gives
-ids past its embedding: `IndexError: index out of range in self` on every rank (a device assert on CUDA).
-Exercised by: tests/test_own_data.py.
+ids past its embedding: `IndexError: index out of range in self` on every rank (a device assert on CUDA), unless
+the model grows its embeddings to the tokenizer (model.tokenizer: the BERT jobs, jobs/vocab.py).
+Exercised by: tests/test_own_data.py, tests/test_added_tokens.py.
 """
 from __future__ import annotations
 
@@ -22,9 +23,10 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "voca
 TOKENIZER_KINDS = ("*.model", "*.spm", "*.tiktoken")
 
 
-def check_tokenizer(data: dict[str, Any], tokenizer: Any, pretrained: Any, model_dir: Any) -> None:
+def check_tokenizer(data: dict[str, Any], tokenizer: Any, pretrained: Any, model_dir: Any, grows: bool) -> None:
     """`tokenizer`, `model_dir`: the dirs data.tokenizer and model.pretrained (`pretrained`) stand for (a run dir's
-    checkpoint), else their values (a hub id: checked as it loads)."""
+    checkpoint), else their values (a hub id: checked as it loads). `grows`: the model takes a tokenizer
+    (model.tokenizer, the BERT jobs'), whose words it makes embedding rows for (jobs/vocab.py)."""
     if not isinstance(tokenizer, str) or not Path(tokenizer).is_dir():
         return
     named = "model.pretrained" if data[TOKENIZER_KEY] == pretrained else f"data.{TOKENIZER_KEY}"
@@ -37,10 +39,12 @@ def check_tokenizer(data: dict[str, Any], tokenizer: Any, pretrained: Any, model
                           f"or give data.{TOKENIZER_KEY}=<a dir or hub id that has one>")
     words = _words(Path(tokenizer))
     embedded = _vocab_size(Path(model_dir)) if isinstance(model_dir, str) else None
-    if words and embedded and words > embedded:
+    if words and embedded and words > embedded and not grows:
         raise ConfigError(f"{said} has {words} words, more than the {embedded} of model.pretrained={pretrained}'s "
                           f"embeddings (vocab_size): a word past them fails in the model; give the model's own "
-                          f"tokenizer (data.{TOKENIZER_KEY}), or a model of this tokenizer's vocabulary")
+                          f"tokenizer (data.{TOKENIZER_KEY}), a model of this tokenizer's vocabulary, or a model "
+                          f"that grows its embeddings to it (model.{TOKENIZER_KEY}=${{data.{TOKENIZER_KEY}}}, as "
+                          f"model=bert_cls)")
 
 
 def _words(directory: Path) -> int | None:

@@ -1,0 +1,42 @@
+"""A BERT job's embeddings grown to its tokenizer's words (model.tokenizer): tokens added to a tokenizer
+(tokenizer.add_tokens, then save_pretrained) have ids past the rows of the model they came with.
+
+Without it an added token in a text failed in the embedding on every rank (`IndexError: index out of range in self`;
+a device-side assert on CUDA), and the MLM's random replacements, drawn from the whole tokenizer, failed at a step
+of their own. transformers' recipe is resize_token_embeddings(len(tokenizer)); the new rows start at the mean of
+the others (its mean_resizing, transformers 4.46 on), a tied MLM decoder and its bias grow with them, and the
+checkpoints' config.json says the new vocab_size, so a run dir given as model.pretrained loads as it trained.
+Exercised by: tests/test_added_tokens.py.
+"""
+from __future__ import annotations
+
+import inspect
+import os
+
+import torch
+import transformers
+from transformers import AutoTokenizer
+
+MEAN_RESIZING = "mean_resizing" in inspect.signature(transformers.PreTrainedModel.resize_token_embeddings).parameters
+
+
+def fit_embeddings(model: transformers.PreTrainedModel, tokenizer: str | None) -> transformers.PreTrainedModel:
+    """`model` with an embedding row for each of the tokenizer's ids (len(tokenizer): its added tokens too); as it
+    was where it has as many (null: the model's own, as given)."""
+    if tokenizer is None:
+        return model
+    words, rows = len(AutoTokenizer.from_pretrained(tokenizer)), model.get_input_embeddings().num_embeddings
+    if words <= rows:
+        return model
+    # on the meta device (strategy=fsdp's ranks but 0) there are no values to take a mean of: rank 0's rows come
+    meta = torch.get_default_device().type == "meta"
+    verbosity, _ = transformers.logging.get_verbosity(), transformers.logging.set_verbosity_error()  # its notice of
+    try:  # the mean, a paragraph: said below in a line
+        model.resize_token_embeddings(words, **({"mean_resizing": not meta} if MEAN_RESIZING else {}))
+    finally:
+        transformers.logging.set_verbosity(verbosity)
+    if os.environ.get("RANK", "0") == "0":
+        start = "the mean of the others" if MEAN_RESIZING else "random, as a new layer's"
+        print(f"model.tokenizer={tokenizer} has {words} tokens, {words - rows} more than the {rows} rows of the model's "
+              f"embeddings: grown to {words} (the new rows start at {start})", flush=True)
+    return model
