@@ -61,9 +61,10 @@ def test_the_embeddings_grow_to_the_added_tokens_and_keep_their_rows(tiny_bert: 
     assert same.get_input_embeddings().num_embeddings == ROWS and "model.tokenizer" not in capsys.readouterr().out
 
 
-def test_the_parent_lets_a_model_that_grows_through_and_names_the_data_s_key(tmp_path: Path, tiny_bert: Path) -> None:
-    """A tokenizer of more words than model.pretrained's embeddings is refused unless the model takes it
-    (model.tokenizer); a tokenizer dir that is not there is told as data.tokenizer, the key the user gave, which
+def test_the_parent_lets_a_model_that_grows_through_and_names_the_data_s_key(tmp_path: Path, tiny_bert: Path,
+                                                                            added: Path) -> None:
+    """A tokenizer of more words than model.pretrained's embeddings, or of tokens added past them, is refused unless
+    the model takes it (model.tokenizer); a tokenizer dir that is not there is told as data.tokenizer, the key the user gave, which
     model.tokenizer repeats."""
     small = tmp_path / "small"
     hf.BertForSequenceClassification(hf.BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=1,
@@ -73,6 +74,16 @@ def test_the_parent_lets_a_model_that_grows_through_and_names_the_data_s_key(tmp
     with pytest.raises(ConfigError, match=r"a model that grows its embeddings to it "
                                           r"\(model\.tokenizer=\$\{data\.tokenizer\}, as model=bert_cls\)$"):
         check_job_inputs({"model": {"pretrained": str(small), "tokenizer": None}, "data": data}, {})
+    with pytest.raises(ConfigError, match=rf"^data\.tokenizer={added} has {ROWS + 2} token ids \(its vocabulary's "
+                                          rf"{ROWS} and 2 added: \[ent\], \[/ent\]\), more than the {ROWS} of "):
+        check_job_inputs({"model": {"pretrained": str(tiny_bert), "tokenizer": None},
+                          "data": {"tokenizer": str(added)}}, {})
+    words = tmp_path / "vocab_txt"  # a tokenizer saved as vocab.txt, its added tokens in tokenizer_config.json
+    words.mkdir()
+    (words / "vocab.txt").write_text("".join(f"w{i}\n" for i in range(100)))
+    (words / "tokenizer_config.json").write_text('{"added_tokens_decoder": {"100": {"content": "[x]"}}}')
+    with pytest.raises(ConfigError, match=r"has 101 token ids \(its vocabulary's 100 and 1 added: \[x\]\)"):
+        check_job_inputs({"model": {"pretrained": str(small), "tokenizer": None}, "data": {"tokenizer": str(words)}}, {})
     missing = str(tmp_path / "no_such_tokenizer")
     with pytest.raises(ConfigError, match=rf"^data\.tokenizer={missing} is not a directory"):
         check_job_inputs({"model": {"pretrained": str(small), "tokenizer": missing}, "data": {"tokenizer": missing}}, {})

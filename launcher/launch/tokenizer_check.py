@@ -1,5 +1,5 @@
-"""A text job's tokenizer, checked in the parent: it has files to load from, and no more words than its model's
-embeddings hold. By key name (data.tokenizer, model.pretrained), as launcher/launch/checks.py's other checks.
+"""A text job's tokenizer, checked in the parent: it has files to load from, and no more token ids than its model's
+embeddings hold (its added tokens too: tokenizer.add_tokens). By key name (data.tokenizer, model.pretrained), as launcher/launch/checks.py's other checks.
 
 Without any tokenizer file in its dir, transformers 5 makes a tokenizer of its 5 special tokens from the model's
 config: a run trained on every word as [UNK], exit 0. A tokenizer of more words than the model's vocab_size gives
@@ -37,28 +37,39 @@ def check_tokenizer(data: dict[str, Any], tokenizer: Any, pretrained: Any, model
         raise ConfigError(f"{said} has no tokenizer files ({', '.join(TOKENIZER_FILES[:3])}, ...), and a tokenizer "
                           f"made without them knows no word; save the tokenizer there too (tokenizer.save_pretrained), "
                           f"or give data.{TOKENIZER_KEY}=<a dir or hub id that has one>")
-    words = _words(Path(tokenizer))
+    counted = _ids(Path(tokenizer))
     embedded = _vocab_size(Path(model_dir)) if isinstance(model_dir, str) else None
-    if words and embedded and words > embedded and not grows:
-        raise ConfigError(f"{said} has {words} words, more than the {embedded} of model.pretrained={pretrained}'s "
-                          f"embeddings (vocab_size): a word past them fails in the model; give the model's own "
-                          f"tokenizer (data.{TOKENIZER_KEY}), a model of this tokenizer's vocabulary, or a model "
-                          f"that grows its embeddings to it (model.{TOKENIZER_KEY}=${{data.{TOKENIZER_KEY}}}, as "
-                          f"model=bert_cls)")
+    if counted and embedded and counted[0] > embedded and not grows:
+        ids, base, past = counted
+        added = f" (its vocabulary's {base} and {len(past)} added: {', '.join(past[:3])}{', ...' * (len(past) > 3)})"
+        raise ConfigError(f"{said} has {ids} token ids{added if past else ''}, more than the {embedded} of "
+                          f"model.pretrained={pretrained}'s embeddings (vocab_size): a token past them fails in the "
+                          f"model; give the model's own tokenizer (data.{TOKENIZER_KEY}), a model of this tokenizer's "
+                          f"vocabulary, or a model that grows its embeddings to it "
+                          f"(model.{TOKENIZER_KEY}=${{data.{TOKENIZER_KEY}}}, as model=bert_cls)")
 
 
-def _words(directory: Path) -> int | None:
-    """The words of the tokenizer's own vocabulary (its added tokens left out: special ones may never come in text),
-    from tokenizer.json or vocab.txt; None where neither says."""
+def _ids(directory: Path) -> tuple[int, int, list[str]] | None:
+    """The ids a tokenizer gives (the largest of its vocabulary's and its added tokens', + 1), its vocabulary's, and
+    the added tokens past that (tokenizer.add_tokens), from tokenizer.json, or vocab.txt and the added tokens of
+    tokenizer_config.json; None where neither says."""
     try:
         if (directory / "tokenizer.json").is_file():
-            vocab = json.loads((directory / "tokenizer.json").read_text())["model"]["vocab"]
-            return (max(vocab.values()) + 1 if vocab else 0) if isinstance(vocab, dict) else len(vocab)
-        if (directory / "vocab.txt").is_file():
-            return sum(1 for _ in (directory / "vocab.txt").open(encoding="utf-8"))
+            saved = json.loads((directory / "tokenizer.json").read_text())
+            vocab = saved["model"]["vocab"]
+            base = (max(vocab.values()) + 1 if vocab else 0) if isinstance(vocab, dict) else len(vocab)
+            added = {entry["id"]: entry["content"] for entry in saved.get("added_tokens") or []}
+        elif (directory / "vocab.txt").is_file():
+            base = sum(1 for _ in (directory / "vocab.txt").open(encoding="utf-8"))
+            config = directory / "tokenizer_config.json"
+            decoder = (json.loads(config.read_text()).get("added_tokens_decoder") or {}) if config.is_file() else {}
+            added = {int(i): entry["content"] for i, entry in decoder.items()}
+        else:
+            return None
     except (OSError, ValueError, KeyError, TypeError, AttributeError):  # a format of its own: the model tells
         return None
-    return None
+    past = [added[i] for i in sorted(added) if i >= base]
+    return max(base, max(added, default=-1) + 1), base, past
 
 
 def _vocab_size(directory: Path) -> int | None:
