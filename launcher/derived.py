@@ -97,9 +97,10 @@ NOT_TRAJECTORY_TRAIN = {"log_every", "eval_every", "ckpt_every", "ckpt_async", "
 
 
 # model.activation_checkpointing (the BERT jobs) recomputes the activations it drops, the same numbers: a run that
-# ran out of memory may resume with it on
+# ran out of memory may resume with it on. model.tokenizer (the BERT jobs: ${data.tokenizer}, whose added tokens
+# grow the embeddings) repeats a key the hash holds; in it, a run dir from before the key would resume no more
 CHECKPOINTING_KEY = "activation_checkpointing"
-NOT_TRAJECTORY_MODEL = {CHECKPOINTING_KEY}
+NOT_TRAJECTORY_MODEL = {CHECKPOINTING_KEY, "tokenizer"}
 
 
 def trajectory_config(config: dict[str, Any]) -> dict[str, Any]:

@@ -11,7 +11,8 @@ import transformers as hf
 
 from conftest import run_cli
 from jobs.bert import classification_model, masked_lm_model
-from launcher.derived import ConfigError
+from jobs.text import DataError
+from launcher.derived import ConfigError, config_hash
 from launcher.launch.checks import check_job_inputs
 
 ADDED = ["[ent]", "[/ent]"]
@@ -27,14 +28,15 @@ def added(tmp_path: Path, tiny_bert: Path) -> Path:
     return tmp_path / "tokenizer"
 
 
-def test_the_embeddings_grow_to_the_added_tokens_and_keep_their_rows(tiny_bert: Path, added: Path,
+def test_the_embeddings_grow_to_the_added_tokens_and_keep_their_rows(tmp_path: Path, tiny_bert: Path, added: Path,
                                                                      capsys: pytest.CaptureFixture) -> None:
     """The new rows are the tokenizer's added ids, the old ones the checkpoint's; the MLM decoder stays tied to the
     word embeddings and its bias grows with them; on the meta device (strategy=fsdp's ranks but 0) the same shapes;
-    a tokenizer of no more words than the rows changes nothing and says nothing."""
+    a tokenizer of no more words than the rows changes nothing and says nothing; one of more words is another
+    vocabulary, refused."""
     grown, plain = (classification_model(str(tiny_bert), num_labels=2, tokenizer=t) for t in (str(added), None))
     said = capsys.readouterr().out
-    assert f"model.tokenizer={added} has {ROWS + 2} tokens, 2 more than the {ROWS} rows of the model's embeddings: " \
+    assert f"the tokenizer {added} has {ROWS + 2} tokens, 2 more than the {ROWS} rows of the model's embeddings: " \
            f"grown to {ROWS + 2}" in said
     embedded = grown.get_input_embeddings().weight
     assert embedded.shape == (ROWS + 2, 32) and grown.config.vocab_size == ROWS + 2
@@ -58,32 +60,45 @@ def test_the_embeddings_grow_to_the_added_tokens_and_keep_their_rows(tiny_bert: 
     assert [(n, p.shape) for n, p in meta.named_parameters()] == [(n, p.shape) for n, p in grown.named_parameters()]
     capsys.readouterr()
     same = classification_model(str(tiny_bert), num_labels=2, tokenizer=str(tiny_bert))
-    assert same.get_input_embeddings().num_embeddings == ROWS and "model.tokenizer" not in capsys.readouterr().out
+    assert same.get_input_embeddings().num_embeddings == ROWS and "the tokenizer" not in capsys.readouterr().out
+    small = tmp_path / "small"  # a model of another vocabulary: no growing makes the tokenizer's words its own
+    hf.BertForSequenceClassification(hf.BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=1,
+                                                   num_attention_heads=2, intermediate_size=64)).save_pretrained(small)
+    with pytest.raises(DataError, match=rf"^the tokenizer {added} has {ROWS} words, more than the 100 rows of the "
+                                        r"model's embeddings: it is another vocabulary"):
+        classification_model(str(small), num_labels=2, tokenizer=str(added))
 
 
-def test_the_parent_lets_a_model_that_grows_through_and_names_the_data_s_key(tmp_path: Path, tiny_bert: Path,
-                                                                            added: Path) -> None:
-    """A tokenizer of more words than model.pretrained's embeddings, or of tokens added past them, is refused unless
-    the model takes it (model.tokenizer); a tokenizer dir that is not there is told as data.tokenizer, the key the user gave, which
-    model.tokenizer repeats."""
+def test_the_parent_lets_added_tokens_through_to_a_model_that_grows_and_names_the_data_s_key(
+        tmp_path: Path, tiny_bert: Path, added: Path) -> None:
+    """Tokens added past model.pretrained's rows pass where the model takes data.tokenizer (model.tokenizer, as the
+    BERT models' ${data.tokenizer}), and are refused, named, where it does not (null, or another tokenizer); a
+    tokenizer of more words than the rows is another vocabulary, refused either way; a tokenizer dir that is not
+    there is told as data.tokenizer, the key the user gave, which model.tokenizer repeats."""
+    data = {"tokenizer": str(added)}
+    check_job_inputs({"model": {"pretrained": str(tiny_bert), "tokenizer": str(added)}, "data": data}, {})
+    for other in (None, str(tiny_bert)):
+        with pytest.raises(ConfigError, match=rf"^data\.tokenizer={added} has {ROWS + 2} token ids, 2 added past the "
+                                              rf"{ROWS} rows of model\.pretrained={tiny_bert}'s embeddings "
+                                              r"\(\[ent\], \[/ent\]\): such a token fails in the model; "
+                                              r"model=bert_cls and bert_mlm grow"):
+            check_job_inputs({"model": {"pretrained": str(tiny_bert), "tokenizer": other}, "data": data}, {})
     small = tmp_path / "small"
     hf.BertForSequenceClassification(hf.BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=1,
                                                    num_attention_heads=2, intermediate_size=64)).save_pretrained(small)
-    data = {"tokenizer": str(tiny_bert)}
-    check_job_inputs({"model": {"pretrained": str(small), "tokenizer": str(tiny_bert)}, "data": data}, {})
-    with pytest.raises(ConfigError, match=r"a model that grows its embeddings to it "
-                                          r"\(model\.tokenizer=\$\{data\.tokenizer\}, as model=bert_cls\)$"):
-        check_job_inputs({"model": {"pretrained": str(small), "tokenizer": None}, "data": data}, {})
-    with pytest.raises(ConfigError, match=rf"^data\.tokenizer={added} has {ROWS + 2} token ids \(its vocabulary's "
-                                          rf"{ROWS} and 2 added: \[ent\], \[/ent\]\), more than the {ROWS} of "):
-        check_job_inputs({"model": {"pretrained": str(tiny_bert), "tokenizer": None},
-                          "data": {"tokenizer": str(added)}}, {})
-    words = tmp_path / "vocab_txt"  # a tokenizer saved as vocab.txt, its added tokens in tokenizer_config.json
-    words.mkdir()
-    (words / "vocab.txt").write_text("".join(f"w{i}\n" for i in range(100)))
-    (words / "tokenizer_config.json").write_text('{"added_tokens_decoder": {"100": {"content": "[x]"}}}')
-    with pytest.raises(ConfigError, match=r"has 101 token ids \(its vocabulary's 100 and 1 added: \[x\]\)"):
-        check_job_inputs({"model": {"pretrained": str(small), "tokenizer": None}, "data": {"tokenizer": str(words)}}, {})
+    with pytest.raises(ConfigError, match=rf"^data\.tokenizer={added} has {ROWS} words, more than the 100 of "):
+        check_job_inputs({"model": {"pretrained": str(small), "tokenizer": str(added)}, "data": data}, {})
+    for saved in ("tokenizer_config.json", "added_tokens.json"):  # a slow tokenizer's vocab.txt, its added tokens
+        words = tmp_path / saved  # where transformers 4.34 on writes them, and before
+        words.mkdir()
+        (words / "vocab.txt").write_text("".join(f"w{i}\n" for i in range(100)))
+        (words / saved).write_text('{"added_tokens_decoder": {"100": {"content": "[x]"}}}' if saved.startswith("tok")
+                                   else '{"[x]": 100}')
+        with pytest.raises(ConfigError, match=r"has 101 token ids, 1 added past the 100 rows .*\(\[x\]\)"):
+            check_job_inputs({"model": {"pretrained": str(small)}, "data": {"tokenizer": str(words)}}, {})
+    # a run dir from before model.tokenizer resumes: the key repeats data.tokenizer, which the hash holds
+    before = {"model": {"pretrained": str(tiny_bert)}, "data": data, "train": {}}
+    assert config_hash({**before, "model": {**before["model"], "tokenizer": str(added)}}) == config_hash(before)
     missing = str(tmp_path / "no_such_tokenizer")
     with pytest.raises(ConfigError, match=rf"^data\.tokenizer={missing} is not a directory"):
         check_job_inputs({"model": {"pretrained": str(small), "tokenizer": missing}, "data": {"tokenizer": missing}}, {})

@@ -275,7 +275,7 @@ def test_a_tokenizer_without_files_or_with_more_words_than_the_model_is_refused(
                                           rf"tokenizer_config\.json, vocab\.txt, \.\.\.\), and a tokenizer made without "
                                           rf"them knows no word; save the tokenizer there too"):
         check_job_inputs(config, {})
-    with pytest.raises(ConfigError, match=rf"^data\.tokenizer={tiny_bert} has 30522 token ids, more than the 100 of "
+    with pytest.raises(ConfigError, match=rf"^data\.tokenizer={tiny_bert} has 30522 words, more than the 100 of "
                                           rf"model\.pretrained={model_dir}'s embeddings \(vocab_size\)"):
         check_job_inputs({**config, "data": {"tokenizer": str(tiny_bert)}}, {})
     check_job_inputs({"model": {"pretrained": str(tiny_bert)}, "data": {"tokenizer": str(tiny_bert)}}, {})

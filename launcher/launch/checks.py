@@ -157,7 +157,9 @@ def check_job_inputs(config: dict[str, Any], pinned: dict[str, dict[str, str]]) 
         if bad:  # the workers would find it too, after seconds of start-up, on every rank
             raise ConfigError(f"data.{key}={path} {bad}")
     tokenizer = _model_source(data.get(TOKENIZER_KEY), pinned, f"data.{TOKENIZER_KEY}")
-    check_tokenizer(data, tokenizer, pretrained, model_dir, (config.get("model") or {}).get(TOKENIZER_KEY) is not None)
+    given = data.get(TOKENIZER_KEY)  # the model grows its embeddings to this tokenizer's added tokens (jobs/vocab.py)
+    grows = given is not None and (config.get("model") or {}).get(TOKENIZER_KEY) == given
+    check_tokenizer(data, tokenizer, pretrained, model_dir, grows)
     check_labels(data, tokenizer, MAX_SCANNED_BYTES)
 
 

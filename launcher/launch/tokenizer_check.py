@@ -25,8 +25,8 @@ TOKENIZER_KINDS = ("*.model", "*.spm", "*.tiktoken")
 
 def check_tokenizer(data: dict[str, Any], tokenizer: Any, pretrained: Any, model_dir: Any, grows: bool) -> None:
     """`tokenizer`, `model_dir`: the dirs data.tokenizer and model.pretrained (`pretrained`) stand for (a run dir's
-    checkpoint), else their values (a hub id: checked as it loads). `grows`: the model takes a tokenizer
-    (model.tokenizer, the BERT jobs'), whose words it makes embedding rows for (jobs/vocab.py)."""
+    checkpoint), else their values (a hub id: checked as it loads). `grows`: the model takes data.tokenizer
+    (model.tokenizer, the BERT jobs'), whose added tokens it makes embedding rows for (jobs/vocab.py)."""
     if not isinstance(tokenizer, str) or not Path(tokenizer).is_dir():
         return
     named = "model.pretrained" if data[TOKENIZER_KEY] == pretrained else f"data.{TOKENIZER_KEY}"
@@ -38,21 +38,27 @@ def check_tokenizer(data: dict[str, Any], tokenizer: Any, pretrained: Any, model
                           f"made without them knows no word; save the tokenizer there too (tokenizer.save_pretrained), "
                           f"or give data.{TOKENIZER_KEY}=<a dir or hub id that has one>")
     counted = _ids(Path(tokenizer))
-    embedded = _vocab_size(Path(model_dir)) if isinstance(model_dir, str) else None
-    if counted and embedded and counted[0] > embedded and not grows:
-        ids, base, past = counted
-        added = f" (its vocabulary's {base} and {len(past)} added: {', '.join(past[:3])}{', ...' * (len(past) > 3)})"
-        raise ConfigError(f"{said} has {ids} token ids{added if past else ''}, more than the {embedded} of "
-                          f"model.pretrained={pretrained}'s embeddings (vocab_size): a token past them fails in the "
-                          f"model; give the model's own tokenizer (data.{TOKENIZER_KEY}), a model of this tokenizer's "
-                          f"vocabulary, or a model that grows its embeddings to it "
-                          f"(model.{TOKENIZER_KEY}=${{data.{TOKENIZER_KEY}}}, as model=bert_cls)")
+    rows = _vocab_size(Path(model_dir)) if isinstance(model_dir, str) else None
+    if not counted or not rows:
+        return
+    ids, base, added = counted
+    if base > rows:  # another vocabulary than the model's: growing the embeddings would not make it the model's
+        raise ConfigError(f"{said} has {base} words, more than the {rows} of model.pretrained={pretrained}'s "
+                          f"embeddings (vocab_size): a word past them fails in the model; give the model's own "
+                          f"tokenizer (data.{TOKENIZER_KEY}), or a model of this tokenizer's vocabulary")
+    past = [added[i] for i in sorted(added) if i >= rows]
+    if past and not grows:
+        raise ConfigError(f"{said} has {ids} token ids, {len(past)} added past the {rows} rows of "
+                          f"model.pretrained={pretrained}'s embeddings ({', '.join(past[:3])}{', ...' * (len(past) > 3)}): "
+                          f"such a token fails in the model; model=bert_cls and bert_mlm grow their embeddings to them "
+                          f"unless model.{TOKENIZER_KEY} is set otherwise than data.{TOKENIZER_KEY} (drop that override), "
+                          f"another model must grow them itself (resize_token_embeddings)")
 
 
-def _ids(directory: Path) -> tuple[int, int, list[str]] | None:
-    """The ids a tokenizer gives (the largest of its vocabulary's and its added tokens', + 1), its vocabulary's, and
-    the added tokens past that (tokenizer.add_tokens), from tokenizer.json, or vocab.txt and the added tokens of
-    tokenizer_config.json; None where neither says."""
+def _ids(directory: Path) -> tuple[int, int, dict[int, str]] | None:
+    """The ids a tokenizer gives (the largest of its vocabulary's and its added tokens', + 1), its vocabulary's words,
+    and its added tokens by id (tokenizer.add_tokens), from tokenizer.json, or vocab.txt and the added tokens of
+    tokenizer_config.json (added_tokens.json before transformers 4.34); None where neither says."""
     try:
         if (directory / "tokenizer.json").is_file():
             saved = json.loads((directory / "tokenizer.json").read_text())
@@ -61,15 +67,15 @@ def _ids(directory: Path) -> tuple[int, int, list[str]] | None:
             added = {entry["id"]: entry["content"] for entry in saved.get("added_tokens") or []}
         elif (directory / "vocab.txt").is_file():
             base = sum(1 for _ in (directory / "vocab.txt").open(encoding="utf-8"))
-            config = directory / "tokenizer_config.json"
+            config, old = directory / "tokenizer_config.json", directory / "added_tokens.json"
             decoder = (json.loads(config.read_text()).get("added_tokens_decoder") or {}) if config.is_file() else {}
-            added = {int(i): entry["content"] for i, entry in decoder.items()}
+            added = {int(i): entry["content"] for i, entry in decoder.items()} or (
+                {i: token for token, i in json.loads(old.read_text()).items()} if old.is_file() else {})
         else:
             return None
     except (OSError, ValueError, KeyError, TypeError, AttributeError):  # a format of its own: the model tells
         return None
-    past = [added[i] for i in sorted(added) if i >= base]
-    return max(base, max(added, default=-1) + 1), base, past
+    return max(base, max(added, default=-1) + 1), base, added
 
 
 def _vocab_size(directory: Path) -> int | None:
