@@ -93,8 +93,8 @@ def test_a_run_dir_stands_for_its_pinned_checkpoint_then_max_steps_0_evaluates(c
                            load_file(checkpoints / "2" / "model.safetensors")["bert.encoder.layer.0.output.dense.weight"])
     assert f"model.pretrained={pretrain}: from checkpoint {checkpoints / '4'}" in from_run_out
     pin = {"run": str(pretrain), "checkpoint": str(checkpoints / "4")}
-    assert json.loads((tmp_path / "from_run" / "pretrained.json").read_text()) == {"model.pretrained": pin,
-                                                                                    "data.tokenizer": pin}
+    assert json.loads((tmp_path / "from_run" / "pretrained.json").read_text()) == {  # (model.tokenizer: the BERT
+        "model.pretrained": pin, "data.tokenizer": pin, "model.tokenizer": pin}  # models' ${data.tokenizer})
     # (given also recomputes its activations in the backward: on 2 ranks, with dropout, that changes no bit either)
     given = run_cli(*FINE_TUNE, f"model.pretrained={checkpoints / '4'}", "model.activation_checkpointing=true",
                     f"hydra.run.dir={tmp_path / 'given'}", cwd=tmp_path)
