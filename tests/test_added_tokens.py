@@ -101,7 +101,8 @@ def test_the_parent_lets_added_tokens_through_to_a_model_that_grows_and_names_th
     assert config_hash({**before, "model": {**before["model"], "tokenizer": str(added)}}) == config_hash(before)
     missing = str(tmp_path / "no_such_tokenizer")
     with pytest.raises(ConfigError, match=rf"^data\.tokenizer={missing} is not a directory"):
-        check_job_inputs({"model": {"pretrained": str(small), "tokenizer": missing}, "data": {"tokenizer": missing}}, {})
+        check_job_inputs({"model": {"pretrained": str(small), "tokenizer": missing},
+                          "data": {"tokenizer": missing}}, {})
 
 
 def test_a_run_on_texts_with_added_tokens_trains_and_its_checkpoint_loads_in_transformers(

@@ -1,10 +1,12 @@
 """A text job's tokenizer, checked in the parent: it has files to load from, and no more token ids than its model's
-embeddings hold (its added tokens too: tokenizer.add_tokens). By key name (data.tokenizer, model.pretrained), as launcher/launch/checks.py's other checks.
+embeddings hold (its added tokens too: tokenizer.add_tokens). By key name (data.tokenizer, model.pretrained), as
+launcher/launch/checks.py's other checks.
 
 Without any tokenizer file in its dir, transformers 5 makes a tokenizer of its 5 special tokens from the model's
 config: a run trained on every word as [UNK], exit 0. A tokenizer of more words than the model's vocab_size gives
-ids past its embedding: `IndexError: index out of range in self` on every rank (a device assert on CUDA), unless
-the model grows its embeddings to the tokenizer (model.tokenizer: the BERT jobs, jobs/vocab.py).
+ids past its embedding: `IndexError: index out of range in self` on every rank (a device assert on CUDA). So do
+tokens added past the rows, unless the model grows its embeddings to them (model.tokenizer: the BERT jobs,
+jobs/vocab.py); more words than the rows is another vocabulary, refused either way.
 Exercised by: tests/test_own_data.py, tests/test_added_tokens.py.
 """
 from __future__ import annotations
@@ -49,9 +51,10 @@ def check_tokenizer(data: dict[str, Any], tokenizer: Any, pretrained: Any, model
     past = [added[i] for i in sorted(added) if i >= rows]
     if past and not grows:
         raise ConfigError(f"{said} has {ids} token ids, {len(past)} added past the {rows} rows of "
-                          f"model.pretrained={pretrained}'s embeddings ({', '.join(past[:3])}{', ...' * (len(past) > 3)}): "
-                          f"such a token fails in the model; model=bert_cls and bert_mlm grow their embeddings to them "
-                          f"unless model.{TOKENIZER_KEY} is set otherwise than data.{TOKENIZER_KEY} (drop that override), "
+                          f"model.pretrained={pretrained}'s embeddings ({', '.join(past[:3])}"
+                          f"{', ...' * (len(past) > 3)}): such a token fails in the model; model=bert_cls and bert_mlm "
+                          f"grow their embeddings to them unless model.{TOKENIZER_KEY} is set otherwise than "
+                          f"data.{TOKENIZER_KEY} (drop that override), "
                           f"another model must grow them itself (resize_token_embeddings)")
 
 
