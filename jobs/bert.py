@@ -9,7 +9,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 import transformers
-from transformers import (AutoConfig, AutoModelForSequenceClassification, AutoTokenizer, BertForMaskedLM,
+from transformers import (AutoConfig, AutoModelForSequenceClassification, BertForMaskedLM,
                           DataCollatorForTokenClassification, DataCollatorWithPadding)
 
 from jobs.activation_checkpointing import checkpoint_activations
@@ -18,7 +18,7 @@ from jobs.labels import Labels
 from jobs.pretrained_files import write_pretrained_files
 from jobs.text import (GLUE_FIELDS, DataError, check_text, corpus_lines, load_file_rows, load_hub_rows,
                        sentiment_rows, text_columns, text_file_rows)
-from jobs.vocab import fit_embeddings
+from jobs.vocab import fit_embeddings, load_tokenizer
 
 transformers.utils.logging.disable_progress_bar()
 if os.environ.get("RANK", "0") != "0":  # one load report is enough
@@ -170,7 +170,7 @@ class TextClassification:
             raise DataError(f"data.source={source} is not one of embedded, files, hub")
         self.num_labels = num_labels
         self.labels = Labels(tokenizer, train_rows, label_field, num_labels, wheres[0])
-        self.tokenizer = AutoTokenizer.from_pretrained(tokenizer)
+        self.tokenizer = load_tokenizer(tokenizer)
         self.train_set = self._encode(train_rows, fields, label_field, wheres[0], max_length)
         self.eval_set = self._encode(eval_rows, fields, label_field, wheres[1], max_length) or None
         self.pad = DataCollatorWithPadding(self.tokenizer, pad_to_multiple_of=pad_to_multiple_of,
@@ -241,7 +241,7 @@ class MaskedLM:
             eval_rows = load_hub_rows(name or "", task, eval_split, [text_field])
         else:
             raise DataError(f"data.source={source} is not one of embedded, files, hub")
-        self.tokenizer = AutoTokenizer.from_pretrained(tokenizer)
+        self.tokenizer = load_tokenizer(tokenizer)
         self.seed, self.mlm_probability = seed, mlm_probability
         self.train_set = [self._mask(s) for s in _tokenize(self.tokenizer, train_rows, [text_field], max_length)]
         eval_set = _tokenize(self.tokenizer, eval_rows, [text_field], max_length) if eval_rows else []

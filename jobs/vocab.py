@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import inspect
 import os
+from functools import lru_cache
+from typing import Any
 
 import torch
 import transformers
@@ -23,12 +25,19 @@ from jobs.text import DataError
 MEAN_RESIZING = "mean_resizing" in inspect.signature(transformers.PreTrainedModel.resize_token_embeddings).parameters
 
 
+@lru_cache(maxsize=2)
+def load_tokenizer(tokenizer: str) -> Any:
+    """AutoTokenizer.from_pretrained, once per process: the data task loads it, then the model's build reads its size
+    (neither changes it)."""
+    return AutoTokenizer.from_pretrained(tokenizer)
+
+
 def fit_embeddings(model: transformers.PreTrainedModel, tokenizer: str | None) -> transformers.PreTrainedModel:
     """`model` with an embedding row for each of the tokenizer's ids (len(tokenizer): its added tokens too); as it
     was where it has as many (null: the model's own, as given)."""
     if tokenizer is None:
         return model
-    loaded, rows = AutoTokenizer.from_pretrained(tokenizer), model.get_input_embeddings().num_embeddings
+    loaded, rows = load_tokenizer(tokenizer), model.get_input_embeddings().num_embeddings
     words = len(loaded)
     if words <= rows:
         return model

@@ -79,6 +79,8 @@ def _near_miss(value: str) -> str:
 def check_job_inputs(config: dict[str, Any], pinned: dict[str, dict[str, str]]) -> None:
     """`pinned`: this run dir's pinned_pretrained, the checkpoints its earlier starts built from."""
     _check_source(config.get("data") or {})  # before the files' own checks: a file that is not there would be unread
+    given = (config.get("data") or {}).get(TOKENIZER_KEY)  # the model grows its embeddings to this tokenizer's added
+    grows = given is not None and (config.get("model") or {}).get(TOKENIZER_KEY) == given  # tokens (jobs/vocab.py)
     for group in ("model", "data"):  # model first: data.tokenizer usually repeats model.pretrained
         section = config.get(group) or {}
         for key in PATH_KEYS:
@@ -87,7 +89,7 @@ def check_job_inputs(config: dict[str, Any], pinned: dict[str, dict[str, str]]) 
                 raise ConfigError(f"{group}.{key}={value} does not exist; give an existing file")
         for key in PRETRAINED_KEYS:
             value = section.get(key)
-            if group == "model" and key == TOKENIZER_KEY and value == (config.get("data") or {}).get(key):
+            if group == "model" and key == TOKENIZER_KEY and grows:
                 continue  # the BERT models' ${data.tokenizer}: told as the data's key, which the user gave
             if is_run_dir(value):
                 if not pinned_checkpoint(pinned, f"{group}.{key}", value):  # later starts build from the pinned one
@@ -157,8 +159,6 @@ def check_job_inputs(config: dict[str, Any], pinned: dict[str, dict[str, str]]) 
         if bad:  # the workers would find it too, after seconds of start-up, on every rank
             raise ConfigError(f"data.{key}={path} {bad}")
     tokenizer = _model_source(data.get(TOKENIZER_KEY), pinned, f"data.{TOKENIZER_KEY}")
-    given = data.get(TOKENIZER_KEY)  # the model grows its embeddings to this tokenizer's added tokens (jobs/vocab.py)
-    grows = given is not None and (config.get("model") or {}).get(TOKENIZER_KEY) == given
     check_tokenizer(data, tokenizer, pretrained, model_dir, grows)
     check_labels(data, tokenizer, MAX_SCANNED_BYTES)
 
