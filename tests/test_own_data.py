@@ -80,6 +80,9 @@ def test_a_label_the_mapping_does_not_know_is_named_with_its_file_and_row(tmp_pa
 
 CELLS = {"missing text": ("text,label\ngood,pos\n,neg\n", "row 2: no text in column 'text' (data.text_fields)"),
          "blank text": ('text,label\ngood,pos\n"  ",neg\n', "row 2: no text in column 'text' (data.text_fields)"),
+         # pandas skips the blank lines, not the quoted empty one: a row (the parent skipped it as blank)
+         "quoted empty text": ('text,label\ngood,pos\n\n \t\n""\nbad,neg\n',
+                               "row 2: no text in column 'text' (data.text_fields)"),
          "missing name": ("text,label\ngood,pos\nbad,\n", "row 2: no label in column 'label' (data.label_field)"),
          "missing id": ("text,label\ngood,1\nbad,\nok,0\n", "row 2: no label in column 'label' (data.label_field)"),
          "float label": ("text,label\ngood,0.4\nbad,1.9\n", "row 1: label 0.4 in column 'label' (data.label_field) is "
@@ -99,7 +102,7 @@ def test_empty_cells_and_labels_that_are_no_class_name_the_file_key_and_row(
     assert str(error.value).startswith(f"data.path={path} {expected}"), str(error.value)
 
 
-@pytest.mark.parametrize("case", ["missing text", "blank text"])
+@pytest.mark.parametrize("case", ["missing text", "blank text", "quoted empty text"])
 def test_an_empty_text_cell_is_found_by_the_parent_before_any_worker_starts(tmp_path: Path, case: str) -> None:
     """The workers said it only after their start-up (13 s on the CPU machine for +exp=bert), each of them."""
     path = write(tmp_path / "train.csv", CELLS[case][0])

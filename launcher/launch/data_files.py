@@ -80,8 +80,21 @@ def split_by_another(columns: list[str], missing: list[str], path: Path) -> str 
 
 
 def _csv_rows(f: Any, suffix: str) -> Iterator[list[str]]:
-    """The rows of a CSV / TSV file, the header first, without the lines pandas skips: empty, or spaces and tabs."""
-    return (row for row in csv.reader(f, **DIALECTS[suffix]) if row and not (len(row) == 1 and not row[0].strip(" \t")))
+    """The rows of a CSV / TSV file, the header first, without the lines pandas skips: empty, or spaces and tabs.
+    A line `""` is a row of one empty cell to pandas (the parent skipped it: every later row's number was one off, and
+    its empty text went unnamed), so a row is told blank by its text in the file, not by its cells."""
+    text: list[str] = []  # the lines of the record being read (a quoted cell may span several)
+
+    def lines() -> Iterator[str]:
+        for line in f:
+            text.append(line)
+            yield line
+
+    for row in csv.reader(lines(), **DIALECTS[suffix]):
+        blank = not "".join(text).strip(" \t\r\n")
+        text.clear()
+        if not blank:
+            yield row
 
 
 def has_rows(path: Path) -> bool:
