@@ -32,10 +32,12 @@ def test_a_file_in_latin_1_is_named_by_the_parent_with_its_line_and_the_fix(tmp_
     line = 3 if name != "train.jsonl" else 2
     column = rows.splitlines()[line - 1].index("é") + 1
     stem, suffix = name.split(".")
-    with pytest.raises(ConfigError, match=rf"^data\.path={path} is no UTF-8 text: line {line} holds byte 0xe9 at "
-                                          rf"column {column}; save it as UTF-8 \(a file of Windows' Western encoding: "
-                                          rf"iconv -f cp1252 -t utf-8 {name} > {stem}-utf8\.{suffix}\)$"):
-        check(path, **({"text_field": "text"} if suffix == "txt" else {}))
+    for ending in ("\n", "\r\n", "\r"):  # (a lone \r: a classic Mac file's lines, each of them line 1 before)
+        path.write_bytes(rows.replace("\n", ending).encode("latin-1"))
+        with pytest.raises(ConfigError, match=rf"^data\.path={path} is no UTF-8 text: line {line} holds byte 0xe9 "
+                                              rf"at column {column}; save it as UTF-8 \(a file of Windows' Western "
+                                              rf"encoding: iconv -f cp1252 -t utf-8 {name} > {stem}-utf8\.{suffix}\)$"):
+            check(path, **({"text_field": "text"} if suffix == "txt" else {}))
     # the job's reader says it in one line (where the file is too big for the parent's scan)
     with pytest.raises(DataError, match=rf"^data\.path={path} is no UTF-8 text \(byte 0xe9\); save it as UTF-8$"):
         (text_file_rows(str(path), "text", "data.path") if suffix == "txt" else

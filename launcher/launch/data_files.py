@@ -29,8 +29,9 @@ def not_utf8(path: Path) -> str | None:
         return None
     convert = f"{path.name} > {path.stem}-utf8{path.suffix}"
     read = 0
-    with open(path, "rb") as f:  # (by line: 0x0a is never part of a multi-byte UTF-8 character)
-        for number, line in enumerate(f, 1):
+    with open(path, "rb") as f:  # (by line: 0x0a and 0x0d are never part of a multi-byte UTF-8 character)
+        # numbered as an editor numbers them: a line ends at \n, \r\n or a lone \r (a classic Mac file's)
+        for number, line in enumerate((line for chunk in f for line in chunk.splitlines(keepends=True)), 1):
             wide = next((name for mark, name in WIDE_MARKS if number == 1 and line.startswith(mark)), None)
             if wide or b"\x00" in line:  # (without its mark, UTF-16's NUL bytes are valid UTF-8: NUL, in each text)
                 return (f"is {wide or 'UTF-16 (or UTF-32)'} text; save it as UTF-8 "
