@@ -106,6 +106,25 @@ def test_a_line_of_only_spaces_is_skipped_as_pandas_skips_it(tmp_path: Path) -> 
     assert load_file_rows(str(path), ["text", "label"])[0]["text"] == "good"
 
 
+# lines each reader of a CSV / TSV may skip or read (jobs/text.py's pandas, the parent's csv: DIALECTS in each)
+UNLIKE_LINES = {".csv": ["", " \t ", '""', '"two\nlines",neg', " ,neg", 'says ""hi"",neg', '"a, b",neg'],
+                ".tsv": ["", " ", "\t", '"q\tneg', 'says "hi\tpos', '""\tneg']}
+
+
+@pytest.mark.parametrize("suffix", list(UNLIKE_LINES))
+def test_the_parent_numbers_rows_as_the_job_s_reader_reads_them(tmp_path: Path, suffix: str) -> None:
+    """A line one reader skipped and the other read moved every later row's number, or hid an empty text (the parent
+    skipped a line `""` as blank)."""
+    sep = {".csv": ",", ".tsv": "\t"}[suffix]
+    path = tmp_path / f"train{suffix}"
+    for line in UNLIKE_LINES[suffix]:
+        path.write_text(f"text{sep}label\ngood{sep}pos\n{line}\nbad{sep}neg\n{sep}pos\n")
+        rows = load_file_rows(str(path), ["text", "label"], texts=["text"])
+        empty = next(number for number, row in enumerate(rows, 1) if not (row["text"] or "").strip())
+        with pytest.raises(ConfigError, match=rf"row {empty}: no text in column 'text'"):
+            check(path)
+
+
 def test_a_label_column_among_the_texts_is_refused(tmp_path: Path) -> None:
     """The model would read its label: an eval accuracy of 1.0 that means nothing (the job and the parent also read
     its NA differently: text, no label)."""

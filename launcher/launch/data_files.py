@@ -81,9 +81,10 @@ def split_by_another(columns: list[str], missing: list[str], path: Path) -> str 
 
 
 def _csv_rows(f: Any, suffix: str) -> Iterator[list[str]]:
-    """The rows of a CSV / TSV file, the header first, without the lines pandas skips: empty, or spaces and tabs.
-    A line `""` is a row of one empty cell to pandas (the parent skipped it: every later row's number was one off, and
-    its empty text went unnamed), so a row is told blank by its text in the file, not by its cells."""
+    """The rows of a CSV / TSV file, the header first, without the lines pandas skips: one cell of spaces and tabs,
+    unquoted. A line `""` is a row of one empty cell to pandas (the parent skipped it: every later row's number was one
+    off, and its empty text went unnamed), so a cell is told blank by its text in the file; a TSV's line of tabs is a
+    row of empty cells."""
     text: list[str] = []  # the lines of the record being read (a quoted cell may span several)
 
     def lines() -> Iterator[str]:
@@ -92,7 +93,7 @@ def _csv_rows(f: Any, suffix: str) -> Iterator[list[str]]:
             yield line
 
     for row in csv.reader(lines(), **DIALECTS[suffix]):
-        blank = not "".join(text).strip(" \t\r\n")
+        blank = len(row) <= 1 and not "".join(text).strip(" \t\r\n")
         text.clear()
         if not blank:
             yield row
