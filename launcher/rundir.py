@@ -97,10 +97,12 @@ def pinned_pretrained(run_dir: Path) -> dict[str, dict[str, str]]:
 
 
 def pinned_checkpoint(pinned: dict[str, dict[str, str]], name: str, value: object) -> str | None:
-    """The checkpoint pinned for key `name` while it still names the same run (another value is a new choice)."""
-    entry = pinned.get(name)
-    same = entry is not None and is_run_dir(value) and entry["run"] == str(Path(str(value)).resolve())
-    return entry["checkpoint"] if same else None
+    """The checkpoint pinned for key `name` while it still names the same run (another value is a new choice), else
+    the one another key pinned of that run: one checkpoint of each run (a run dir from before model.tokenizer was a
+    key pinned data.tokenizer alone; the tokenizer's newest checkpoint then was no choice of this run's)."""
+    run = str(Path(str(value)).resolve()) if is_run_dir(value) else None
+    return next((entry["checkpoint"] for entry in (pinned.get(name), *pinned.values()) if entry and entry["run"] == run),
+                None)
 
 
 def hang_summary(run_dir: Path) -> str | None:

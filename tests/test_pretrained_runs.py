@@ -114,14 +114,18 @@ def test_a_run_dir_stands_for_its_pinned_checkpoint_then_max_steps_0_evaluates(c
     with pytest.raises(ConfigError, match=r"\(model\.dropout was null, now 0\.2\)"):
         check_resume(tmp_path / "given", {**config, "model": {**model, "dropout": 0.2}})
 
-    # The pre-training run has a newer checkpoint: a relaunch of the fine-tune still builds from the pinned one
+    # The pre-training run has a newer checkpoint: a relaunch of the fine-tune still builds from the pinned one, the
+    # same for a key its first start did not pin (a run dir from before model.tokenizer was a key: it took the newest)
     shutil.copytree(checkpoints / "4", checkpoints / "6")
+    pins = tmp_path / "from_run" / "pretrained.json"
+    pins.write_text(json.dumps({"model.pretrained": pin, "data.tokenizer": pin}))
     relaunch = (*FINE_TUNE, f"model.pretrained={pretrain}", f"hydra.run.dir={tmp_path / 'from_run'}",
                 "resume.allow_config_change=true")
     again = run_cli(*relaunch, "train.max_steps=3", cwd=tmp_path)
     assert again.returncode == 0, again.stdout[-2000:] + again.stderr[-3000:]
     assert f"model.pretrained={pretrain}: from checkpoint {checkpoints / '4'}" in again.stdout
     assert "resumed from step 2" in again.stdout
+    assert json.loads(pins.read_text()) == {"model.pretrained": pin, "data.tokenizer": pin, "model.tokenizer": pin}
 
     # A fresh run takes the newest usable checkpoint: here none (6 corrupt, 4 and 2 gone). Rank 0 finds out, and
     # every rank stops with its line, in the workers (the parent reads no checksum)

@@ -280,16 +280,15 @@ def _choose_pretrained(run_dir: Path, sections: dict[str, Any], resume: bool,
             name, value = f"{group}.{key}", section.get(key)
             if not is_run_dir(value):
                 continue
-            source = pinned_checkpoint(pinned, name, value)
+            source, run = pinned_checkpoint(pinned, name, value), Path(value).resolve()
             if source is None:  # this run's first start with this value (data.tokenizer is often model.pretrained)
-                run = Path(value).resolve()
                 if run not in newest_of:
                     newest_of[run] = _best_usable(run, warn) or _newest_usable(run, warn)
                 if newest_of[run] is None:
                     raise ConfigError(f"{name}={value} is a run dir without a usable checkpoint; train it first")
                 source = str(newest_of[run])
-                pinned[name] = {"run": str(run), "checkpoint": source}
-            elif not _usable(Path(source), warn):
+            pinned[name] = {"run": str(run), "checkpoint": source}  # (what a later start of this run builds from)
+            if source != str(newest_of.get(run)) and not _usable(Path(source), warn):  # (newest_of's: read already)
                 own = _newest_usable(run_dir, warn) if resume else None  # resume=never: its own weights won't load
                 if own is None:
                     raise ConfigError(f"{name}={value}: its checkpoint {source}, which this run started from, is gone")
