@@ -125,6 +125,21 @@ def test_the_parent_numbers_rows_as_the_job_s_reader_reads_them(tmp_path: Path, 
             check(path)
 
 
+def test_a_quote_that_nothing_closes_is_named_by_its_line(tmp_path: Path) -> None:
+    """Python's csv read the rest of the file into that cell and the parent let it by; pandas stops ("EOF inside
+    string"), on every rank."""
+    path = tmp_path / "train.csv"
+    path.write_text('text,label\ngood,pos\n"two\nlines",neg\n"bad,neg\nfine,pos\n')
+    with pytest.raises(DataError, match=r"does not read as csv: .*EOF inside string"):
+        load_file_rows(str(path), ["text", "label"])
+    with pytest.raises(ConfigError, match=rf"^data\.path={path} does not read as CSV \(line 5 opens a quoted cell that "
+                                          r"no '\"' closes: close it, or write a '\"' inside a quoted text as two\)$"):
+        check(path)
+    path.write_text('text,label\ngood,pos\n"a ""quoted"" word",neg\nsays "hi,pos\n"x"y,neg')  # pandas reads these
+    assert len(load_file_rows(str(path), ["text", "label"])) == 4
+    check(path)
+
+
 def test_a_label_column_among_the_texts_is_refused(tmp_path: Path) -> None:
     """The model would read its label: an eval accuracy of 1.0 that means nothing (the job and the parent also read
     its NA differently: text, no label)."""

@@ -6,6 +6,7 @@ text). Exercised by: tests/test_own_data.py, tests/test_bad_input.py, tests/test
 from __future__ import annotations
 
 import csv
+import io
 import json
 import sys
 from pathlib import Path
@@ -84,8 +85,10 @@ def _csv_rows(f: Any, suffix: str) -> Iterator[list[str]]:
     """The rows of a CSV / TSV file, the header first, without the lines pandas skips: one cell of spaces and tabs,
     unquoted. A line `""` is a row of one empty cell to pandas (the parent skipped it: every later row's number was one
     off, and its empty text went unnamed), so a cell is told blank by its text in the file; a TSV's line of tabs is a
-    row of empty cells."""
+    row of empty cells. A quote no '"' closes: csv.Error after the last row (Python's csv reads the rest of the file
+    into its cell, pandas stops: "EOF inside string", on every rank)."""
     text: list[str] = []  # the lines of the record being read (a quoted cell may span several)
+    record, start, read = "", 1, 0  # the last record, the line it starts on, the lines before the record being read
 
     def lines() -> Iterator[str]:
         for line in f:
@@ -93,10 +96,16 @@ def _csv_rows(f: Any, suffix: str) -> Iterator[list[str]]:
             yield line
 
     for row in csv.reader(lines(), **DIALECTS[suffix]):
-        blank = len(row) <= 1 and not "".join(text).strip(" \t\r\n")
+        record, start, read = "".join(text), read + 1, read + len(text)
         text.clear()
-        if not blank:
+        if not (len(row) <= 1 and not record.strip(" \t\r\n")):
             yield row
+    try:  # (a strict reader says where a quote is left open: only the last record can be)
+        list(csv.reader(io.StringIO(record, newline=""), strict=True, **DIALECTS[suffix]))
+    except csv.Error as err:
+        if "end of data" in str(err):
+            raise csv.Error(f"line {start} opens a quoted cell that no '\"' closes: close it, or write a '\"' "
+                            f"inside a quoted text as two") from err
 
 
 def has_rows(path: Path) -> bool:
