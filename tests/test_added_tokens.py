@@ -88,12 +88,17 @@ def test_the_parent_lets_added_tokens_through_to_a_model_that_grows_and_names_th
                                                    num_attention_heads=2, intermediate_size=64)).save_pretrained(small)
     with pytest.raises(ConfigError, match=rf"^data\.tokenizer={added} has {ROWS} words, more than the 100 of "):
         check_job_inputs({"model": {"pretrained": str(small), "tokenizer": str(added)}, "data": data}, {})
-    for saved in ("tokenizer_config.json", "added_tokens.json"):  # a slow tokenizer's vocab.txt, its added tokens
-        words = tmp_path / saved  # where transformers 4.34 on writes them, and before
+    # a slow tokenizer's vocab.txt, its added tokens where transformers 4.34 on writes them, and before; a fast one's
+    # tokenizer.json with more in tokenizer_config.json (transformers adds those too)
+    vocab, decoder = "".join(f"w{i}\n" for i in range(100)), '{"added_tokens_decoder": {"100": {"content": "[x]"}}}'
+    fast = '{"model": {"vocab": {%s}}, "added_tokens": []}' % ", ".join(f'"w{i}": {i}' for i in range(100))
+    for case, saved in {"v4.34": {"vocab.txt": vocab, "tokenizer_config.json": decoder},
+                        "v4.33": {"vocab.txt": vocab, "added_tokens.json": '{"[x]": 100}'},
+                        "fast": {"tokenizer.json": fast, "tokenizer_config.json": decoder}}.items():
+        words = tmp_path / case
         words.mkdir()
-        (words / "vocab.txt").write_text("".join(f"w{i}\n" for i in range(100)))
-        (words / saved).write_text('{"added_tokens_decoder": {"100": {"content": "[x]"}}}' if saved.startswith("tok")
-                                   else '{"[x]": 100}')
+        for name, text in saved.items():
+            (words / name).write_text(text)
         with pytest.raises(ConfigError, match=r"has 101 token ids, 1 added past the 100 rows .*\(\[x\]\)"):
             check_job_inputs({"model": {"pretrained": str(small)}, "data": {"tokenizer": str(words)}}, {})
     # a run dir from before model.tokenizer resumes: the key repeats data.tokenizer, which the hash holds

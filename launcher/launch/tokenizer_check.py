@@ -60,20 +60,20 @@ def check_tokenizer(data: dict[str, Any], tokenizer: Any, pretrained: Any, model
 
 def _ids(directory: Path) -> tuple[int, int, dict[int, str]] | None:
     """The ids a tokenizer gives (the largest of its vocabulary's and its added tokens', + 1), its vocabulary's words,
-    and its added tokens by id (tokenizer.add_tokens), from tokenizer.json, or vocab.txt and the added tokens of
-    tokenizer_config.json (added_tokens.json before transformers 4.34); None where neither says."""
+    and its added tokens by id (tokenizer.add_tokens), from tokenizer.json, or vocab.txt, and the added tokens of
+    tokenizer_config.json (a vocab.txt's: added_tokens.json before transformers 4.34); None where neither says."""
     try:
+        config, old = directory / "tokenizer_config.json", directory / "added_tokens.json"
+        decoder = (json.loads(config.read_text()).get("added_tokens_decoder") or {}) if config.is_file() else {}
+        listed = {int(i): entry["content"] for i, entry in decoder.items()}  # (transformers adds them to either file's)
         if (directory / "tokenizer.json").is_file():
             saved = json.loads((directory / "tokenizer.json").read_text())
             vocab = saved["model"]["vocab"]
             base = (max(vocab.values()) + 1 if vocab else 0) if isinstance(vocab, dict) else len(vocab)
-            added = {entry["id"]: entry["content"] for entry in saved.get("added_tokens") or []}
+            added = {**listed, **{entry["id"]: entry["content"] for entry in saved.get("added_tokens") or []}}
         elif (directory / "vocab.txt").is_file():
             base = sum(1 for _ in (directory / "vocab.txt").open(encoding="utf-8"))
-            config, old = directory / "tokenizer_config.json", directory / "added_tokens.json"
-            decoder = (json.loads(config.read_text()).get("added_tokens_decoder") or {}) if config.is_file() else {}
-            added = {int(i): entry["content"] for i, entry in decoder.items()} or (
-                {i: token for token, i in json.loads(old.read_text()).items()} if old.is_file() else {})
+            added = listed or ({i: token for token, i in json.loads(old.read_text()).items()} if old.is_file() else {})
         else:
             return None
     except (OSError, ValueError, KeyError, TypeError, AttributeError):  # a format of its own: the model tells
