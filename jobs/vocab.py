@@ -55,6 +55,5 @@ def fit_embeddings(model: transformers.PreTrainedModel, tokenizer: str | None) -
     if os.environ.get("RANK", "0") == "0":
         start = "near the mean of the others" if MEAN_RESIZING else "random, as a new layer's"
         print(f"the tokenizer {tokenizer} has {words} tokens, {words - rows} more than the {rows} rows of the model's "
-              f"embeddings: grown to {words} (the new rows start at {start}; model.tokenizer=null keeps {rows})",
-              flush=True)  # (the off switch: a run dir from before the growth resumes only with it)
+              f"embeddings: grown to {words} (the new rows start at {start})", flush=True)
     return model

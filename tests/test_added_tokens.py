@@ -37,7 +37,7 @@ def test_the_embeddings_grow_to_the_added_tokens_and_keep_their_rows(tmp_path: P
     grown, plain = (classification_model(str(tiny_bert), num_labels=2, tokenizer=t) for t in (str(added), None))
     said = capsys.readouterr().out
     assert f"the tokenizer {added} has {ROWS + 2} tokens, 2 more than the {ROWS} rows of the model's embeddings: " \
-           f"grown to {ROWS + 2} (the new rows start at " in said and f"; model.tokenizer=null keeps {ROWS})" in said
+           f"grown to {ROWS + 2}" in said
     embedded = grown.get_input_embeddings().weight
     assert embedded.shape == (ROWS + 2, 32) and grown.config.vocab_size == ROWS + 2
     assert torch.equal(embedded[:ROWS], plain.get_input_embeddings().weight)
