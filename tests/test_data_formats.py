@@ -13,6 +13,7 @@ from jobs.bert import TextClassification
 from jobs.text import DataError, load_file_rows, text_file_rows
 from launcher.derived import ConfigError
 from launcher.launch.checks import check_job_inputs
+from launcher.launch.data_files import has_rows
 
 DATA = {"text_fields": ["text"], "label_field": "label", "num_labels": 2}
 
@@ -135,6 +136,8 @@ def test_a_quote_that_nothing_closes_is_named_by_its_line(tmp_path: Path) -> Non
     with pytest.raises(ConfigError, match=rf"^data\.path={path} does not read as CSV \(line 5 opens a quoted cell that "
                                           r"no '\"' closes: close it, or write a '\"' inside a quoted text as two\)$"):
         check(path)
+    path.write_text('text,"label\ngood,pos\n')  # in the header: a file with rows (its check of cells names it)
+    assert has_rows(path)
     path.write_text('text,label\ngood,pos\n"a ""quoted"" word",neg\nsays "hi,pos\n"x"y,neg')  # pandas reads these
     assert len(load_file_rows(str(path), ["text", "label"])) == 4
     check(path)

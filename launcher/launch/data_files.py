@@ -120,7 +120,10 @@ def has_rows(path: Path) -> bool:
     with open(path, newline="", encoding="utf-8-sig", errors="replace") as f:
         if path.suffix in DIALECTS:
             rows = _csv_rows(f, path.suffix)
-            return next(rows, None) is not None and next(rows, None) is not None  # one beyond the header
+            try:
+                return next(rows, None) is not None and next(rows, None) is not None  # one beyond the header
+            except csv.Error:  # (a header that opens a quote nothing closes: first_bad_row names its line)
+                return True
         return any(line.strip() for line in f)
 
 
