@@ -18,6 +18,7 @@ from conftest import run_cli, subprocess_env
 from launcher.derived import ConfigError, config_hash
 from launcher.launch.checks import check_job_inputs
 from launcher.launch.resume import check_resume
+from launcher.train import checkpoint
 
 # Plain transformers in a process of its own, the launcher's code not imported (its attention registration
 # included): each checkpoint loads with the Auto class, and every tensor of the model equals the file's, the
@@ -126,6 +127,13 @@ def test_a_run_dir_stands_for_its_pinned_checkpoint_then_max_steps_0_evaluates(c
     assert f"model.pretrained={pretrain}: from checkpoint {checkpoints / '4'}" in again.stdout
     assert "resumed from step 2" in again.stdout
     assert json.loads(pins.read_text()) == {"model.pretrained": pin, "data.tokenizer": pin, "model.tokenizer": pin}
+    # a key that now names another run gives up its pin, not the run's checkpoint the other keys have (the parent
+    # reads the pins as the run dir has them): the tokenizer stays at 4, the newest (6) being no choice of this run's
+    following = tmp_path / "following"
+    following.mkdir()
+    (following / "pretrained.json").write_text(json.dumps({"model.pretrained": pin}))
+    sections = {"model": {"pretrained": str(tmp_path / "from_run")}, "data": {"tokenizer": str(pretrain)}}
+    assert checkpoint._choose_pretrained(following, sections, True, print)["data"]["tokenizer"] == pin["checkpoint"]
 
     # A fresh run takes the newest usable checkpoint: here none (6 corrupt, 4 and 2 gone). Rank 0 finds out, and
     # every rank stops with its line, in the workers (the parent reads no checksum)

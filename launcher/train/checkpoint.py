@@ -280,7 +280,7 @@ def _choose_pretrained(run_dir: Path, sections: dict[str, Any], resume: bool,
             name, value = f"{group}.{key}", section.get(key)
             if not is_run_dir(value):
                 continue
-            source, run = pinned_checkpoint(pinned, name, value), Path(value).resolve()
+            source, run = pinned_checkpoint(before, name, value), Path(value).resolve()  # (the parent's pins too)
             if source is None:  # this run's first start with this value (data.tokenizer is often model.pretrained)
                 if run not in newest_of:
                     newest_of[run] = _best_usable(run, warn) or _newest_usable(run, warn)
