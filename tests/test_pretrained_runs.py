@@ -84,7 +84,8 @@ def test_checkpoints_are_save_pretrained_dirs(chain: tuple[Path, str], tiny_bert
 
 
 @pytest.mark.slow
-def test_a_run_dir_stands_for_its_pinned_checkpoint_then_max_steps_0_evaluates(chain: tuple[Path, str]) -> None:
+def test_a_run_dir_stands_for_its_pinned_checkpoint_then_max_steps_0_evaluates(
+        chain: tuple[Path, str], monkeypatch: pytest.MonkeyPatch) -> None:
     """Changes the pre-training run's checkpoints: runs after test_checkpoints_are_save_pretrained_dirs."""
     tmp_path, from_run_out = chain
     pretrain = tmp_path / "pretrain"
@@ -134,6 +135,14 @@ def test_a_run_dir_stands_for_its_pinned_checkpoint_then_max_steps_0_evaluates(c
     (following / "pretrained.json").write_text(json.dumps({"model.pretrained": pin}))
     sections = {"model": {"pretrained": str(tmp_path / "from_run")}, "data": {"tokenizer": str(pretrain)}}
     assert checkpoint._choose_pretrained(following, sections, True, print)["data"]["tokenizer"] == pin["checkpoint"]
+    # a restart reads the pinned checkpoint whole once, for the three keys that name its run (it did once each)
+    hashed = []
+    monkeypatch.setattr(checkpoint, "_sha256", lambda path, real=checkpoint._sha256: hashed.append(path) or real(path))
+    sections = {"model": {"pretrained": str(pretrain), "tokenizer": str(pretrain)}, "data": {"tokenizer": str(pretrain)}}
+    chosen = checkpoint._choose_pretrained(tmp_path / "from_run", sections, True, print)
+    assert chosen == {"model": {"pretrained": pin["checkpoint"], "tokenizer": pin["checkpoint"]},
+                      "data": {"tokenizer": pin["checkpoint"]}}
+    assert hashed and len(hashed) == len(set(hashed)), hashed
 
     # A fresh run takes the newest usable checkpoint: here none (6 corrupt, 4 and 2 gone). Rank 0 finds out, and
     # every rank stops with its line, in the workers (the parent reads no checksum)
