@@ -273,21 +273,21 @@ def pretrained_sources(run_dir: Path, sections: dict[str, Any], resume: bool,
 def _choose_pretrained(run_dir: Path, sections: dict[str, Any], resume: bool,
                        warn: Callable[[str], None]) -> dict[str, dict[str, str]]:
     """Rank 0's part of pretrained_sources."""
-    pinned, sources, newest_of = pinned_pretrained(run_dir), {}, {}  # newest_of: each run's checkpoint, read whole
+    pinned, sources, verified = pinned_pretrained(run_dir), {}, {}  # verified: each run's checkpoint, read whole
     before = dict(pinned)
     for group, section in sections.items():
         for key in (key for key in PRETRAINED_KEYS if is_run_dir(section.get(key))):  # (others load as they are)
             name, value = f"{group}.{key}", section[key]
             source, run = pinned_checkpoint(before, name, value), Path(value).resolve()  # (the parent's pins too)
             if source is None:  # this run's first start with this value (data.tokenizer is often model.pretrained)
-                if run not in newest_of:
-                    newest_of[run] = _best_usable(run, warn) or _newest_usable(run, warn)
-                if newest_of[run] is None:
+                if run not in verified:
+                    verified[run] = _best_usable(run, warn) or _newest_usable(run, warn)
+                if verified[run] is None:
                     raise ConfigError(f"{name}={value} is a run dir without a usable checkpoint; train it first")
-                source = str(newest_of[run])
+                source = str(verified[run])
             pinned[name] = {"run": str(run), "checkpoint": source}  # (what a later start of this run builds from)
-            if source == str(newest_of.get(run)) or _usable(Path(source), warn):  # (read once for all the run's keys)
-                newest_of[run] = Path(source)
+            if source == str(verified.get(run)) or _usable(Path(source), warn):  # (read once for all the run's keys)
+                verified[run] = Path(source)
             else:
                 own = _newest_usable(run_dir, warn) if resume else None  # resume=never: its own weights won't load
                 if own is None:
