@@ -52,8 +52,11 @@ def out_of_memory_in(error: BaseException) -> torch.OutOfMemoryError | None:
 # `cublasCreate(handle)`", cuDNN's, cuSOLVER's, cuFFT's. Their handles are made at a thread's first call, with
 # cudaMalloc outside torch's allocator, which cannot free its cache for them: the first backward (autograd's own
 # thread) makes cuBLAS's at the probe's first trial, at its peak, where a size too large then ran out as this
-# RuntimeError, and the run ended where a smaller micro-batch would fit.
-LIBRARY_RAN_OUT = re.compile(r"^[A-Za-z]+ error: CU[A-Z]+_(STATUS_)?ALLOC_FAILED\b")  # (CUDA, cuDNN, cuFFT error)
+# RuntimeError, and the run ended where a smaller micro-batch would fit. So too a cudaMalloc outside the allocator
+# that fails as cudaErrorMemoryAllocation, which leaves the context usable: "CUDA error: out of memory" (torch's
+# C10_CUDA_CHECK, an AcceleratorError from torch 2.8), "Triton Error [CUDA]: out of memory" (a kernel's first load).
+LIBRARY_RAN_OUT = re.compile(r"^([A-Za-z]+ error: CU[A-Z]+_(STATUS_)?ALLOC_FAILED\b"  # (CUDA, cuDNN, cuFFT error)
+                             r"|(CUDA error|Triton Error \[CUDA\]): out of memory\b)")
 
 
 def library_ran_out(error: BaseException) -> bool:
