@@ -155,12 +155,15 @@ def test_running_out_mid_run_redoes_the_step_on_every_rank(tmp_path: Path, fixed
 
 
 def test_running_out_in_the_copy_to_the_device_redoes_the_step_too(tmp_path: Path, fixed) -> None:
-    """A nearly full GPU can fail the micro-batch's copy before its forward: rank 1 runs out there at step 5, and
-    the step is redone at micro-batch 4 as above (not an exit as if inside the all-reduce)."""
+    """A nearly full GPU can fail the micro-batch's copy before its forward: rank 1 runs out there at step 2, and
+    the step is redone at micro-batch 4 as above (not an exit as if inside the all-reduce). Step 2's first forward
+    is where DDP rebuilds its buckets, a broadcast: rank 1, which never got there, once waited in the agreement
+    while rank 0 waited in the broadcast, until dist.timeout_s."""
     run_dir = tmp_path / "copy"
-    log = launch(run_dir, *AUTO, *RANK1_HOLDS_4_FROM_STEP_5, "data.oom_in_copy=true")
-    assert "rank 1 (CPU memory) ran out of memory at step 5 with micro-batch 8; every rank redoes step 5" in log
-    assert per_step(run_dir, "micro_batch_size") == [8] * 4 + [4] * (STEPS - 4)
+    log = launch(run_dir, *AUTO, "data.oom_rank=1", "data.oom_max_items=4", "data.oom_from_call=4",  # (step 2's 1st)
+                 "data.oom_in_copy=true", "dist.timeout_s=60")
+    assert "rank 1 (CPU memory) ran out of memory at step 2 with micro-batch 8; every rank redoes step 2" in log
+    assert per_step(run_dir, "micro_batch_size") == [8] + [4] * (STEPS - 1)
     assert samples(run_dir) == samples(fixed[8])
     assert_same_float64_weights(run_dir, fixed[8], STEPS)
 

@@ -73,6 +73,7 @@ def train(run: Run, progress: Progress, stop: StopFlag, final_eval: dict[str, fl
         with run.sync_check.watching(step, run.log.warn) if steady else nullcontext():  # train.sync_check
             if run.out_of_memory.redoes:  # auto under DDP: what a dropped attempt of this step gives back
                 run.out_of_memory.remember(run.module)
+                run.out_of_memory.rebuild_buckets(run.model)
             if run.compile_watch.cuda_graphs:  # a new step: CUDA-graph outputs of the last one may be reused
                 torch.compiler.cudagraph_mark_step_begin()
             with run.profiler.step(step):

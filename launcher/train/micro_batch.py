@@ -53,8 +53,9 @@ class OutOfMemoryAgreement:
     what a dropped attempt must give back besides its gradients.
 
     On the host, over gloo: the flag is a Python bool the moment the allocator fails, so agreeing on it
-    never waits for the GPU (a CUDA plan gets a small gloo group for it, with the same timeouts as the
-    main group: a rank stuck before the agreement fails the run after dist.timeout_s, as in the all-reduce).
+    never waits for the GPU (a small gloo group of its own, with the same timeouts as the main group: a rank
+    stuck before the agreement fails the run after dist.timeout_s, as in the all-reduce; its own on CPU plans
+    too, so that CI runs its collectives apart from the model's as a CUDA plan's NCCL ones are).
     Off, and no collective at all, unless train.micro_batch_size=auto: a fixed size is the user's to change;
     and under strategy=fsdp (`redoes` false), whose forward and backward enter collectives: there running out
     of memory ends the run for a start with half the size (exit_out_of_memory).
@@ -62,9 +63,18 @@ class OutOfMemoryAgreement:
 
     def __init__(self, enabled: bool, device: torch.device, timeout_s: float, redoes: bool = True):
         self.enabled, self.redoes, self.device, self.ran_out_here = enabled, enabled and redoes, device, False
-        self.group = (dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
-                      if self.redoes and device.type == "cuda" else None)
+        self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s)) if self.redoes else None
         self.saved: tuple[torch.Tensor, torch.Tensor | None, list[torch.Tensor]] | None = None
+
+    @staticmethod
+    def rebuild_buckets(model: torch.nn.Module) -> None:
+        """Every rank, at a step's start: DDP rebuilds its gradient buckets once, in the first forward after the
+        first synced backward, with a broadcast among the ranks. A rank that ran out before that forward (in
+        the copy to the device, or in the job's code) would wait in the agreement while the others wait in the
+        broadcast, until dist.timeout_s: so it is done here, where every rank is, as DDP's join hook does."""
+        reducer = getattr(model, "reducer", None)  # (DDP's; torch has had _rebuild_buckets since 1.7)
+        if reducer is not None and not model._has_rebuilt_buckets and reducer._rebuild_buckets():
+            model._has_rebuilt_buckets = True
 
     def any_rank_ran_out(self, ran_out: bool) -> bool:
         """Every rank, once per step (auto under DDP only); who_ran_out() then reads this rank's answer."""
