@@ -27,9 +27,9 @@ COMMON = ("+exp=toy", "model.dtype=float64", "data.dtype=float64", f"train.max_s
           "train.eval_every=0", "train.ckpt_every=4", "train.log_samples=true", "train.global_batch_size=32",
           "scheduler=cosine", "scheduler.warmup_steps=3")  # an lr that changes every step: no extra scheduler step
 AUTO = ("train.micro_batch_size=auto", "train.max_micro_batch_size=8")  # 16 samples per rank: 8 fits at first
-# The toy's loss computations with gradients on rank 1: 1 probe trial, then 2 micro-batches per step: the
-# 10th is the first micro-batch of step 5
-RANK1_HOLDS_4_FROM_STEP_5 = ("data.oom_rank=1", "data.oom_max_items=4", "data.oom_from_call=10")
+RANK1_HOLDS_4 = ("data.oom_rank=1", "data.oom_max_items=4")
+# Rank 1's loss computations with gradients: 1 probe trial, then 2 micro-batches a step: the 10th is step 5's first
+RANK1_HOLDS_4_FROM_STEP_5 = (*RANK1_HOLDS_4, "data.oom_from_call=10")
 
 
 def launch(run_dir: Path, *overrides: str, expect: int = 0) -> str:
@@ -155,8 +155,8 @@ def test_running_out_mid_run_redoes_the_step_on_every_rank(tmp_path: Path, fixed
 def test_running_out_in_the_copy_to_the_device_redoes_the_step_too(tmp_path: Path, fixed) -> None:
     """Rank 1 runs out in the copy before step 2's forward, where DDP rebuilds its buckets (a broadcast it missed,
     waiting in the agreement, until dist.timeout_s): every rank redoes step 2, the 4th loss computation."""
-    run_dir, copy = tmp_path / "copy", ("data.oom_from_call=4", "data.oom_in_copy=true", "dist.timeout_s=60")
-    log = launch(run_dir, *AUTO, *RANK1_HOLDS_4_FROM_STEP_5[:2], *copy)
+    run_dir = tmp_path / "copy"
+    log = launch(run_dir, *AUTO, *RANK1_HOLDS_4, "data.oom_from_call=4", "data.oom_in_copy=true", "dist.timeout_s=60")
     assert "rank 1 (CPU memory) ran out of memory at step 2 with micro-batch 8; every rank redoes step 2" in log
     assert per_step(run_dir, "micro_batch_size") == [8] + [4] * (STEPS - 1)
     assert samples(run_dir) == samples(fixed[8])
