@@ -30,10 +30,15 @@ ERROR_FILE = "error.txt"  # why the last start failed: its one line, then the fa
 
 def write_atomically(path: Path, data: str | bytes) -> None:
     """Replace `path` with `data` so that a reader sees the old file or the new one, never half of one. The
-    temp file is this host's and process's own: ranks, and nodes sharing the run dir, may write at once."""
+    temp file is this host's and process's own: ranks, and nodes sharing the run dir, may write at once. A write
+    that fails (a full disk) leaves no temp file behind."""
     tmp = path.with_name(f"{path.name}.{platform.node()}.{os.getpid()}.tmp")
-    tmp.write_bytes(data) if isinstance(data, bytes) else tmp.write_text(data)
-    os.replace(tmp, path)
+    try:
+        tmp.write_bytes(data) if isinstance(data, bytes) else tmp.write_text(data)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def shown_number(value: float | None) -> str:

@@ -174,6 +174,16 @@ def stopped_after_a_checkpoint(proc: subprocess.Popen, run_dir: Path) -> None:
     assert proc.returncode == REQUEUE_EXIT_CODE, out[-2000:] + err[-3000:]
 
 
+def stopped_before_its_first_log(proc: subprocess.Popen, run_dir: Path) -> None:
+    """Ctrl-C while the first step compiles: the run stops a step or two in, before its first log (step 10)."""
+    log = run_dir / "launcher.log"
+    wait_until(lambda: log.is_file() and "first step" in log.read_text(), timeout=240)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=240)
+    assert proc.returncode == REQUEUE_EXIT_CODE and complete_steps(run_dir), out[-2000:] + err[-3000:]
+    assert logged_step(run_dir) == 0, out[-2000:]
+
+
 @pytest.mark.slow
 def test_a_compiled_restart_on_an_empty_machine_cache_loads_its_kernels_from_the_run_dir(tmp_path: Path) -> None:
     """A new node's machine cache is empty (a fresh TMPDIR: inductor's default cache and its precompiled header
@@ -209,8 +219,8 @@ def test_a_compiled_restart_on_an_empty_machine_cache_loads_its_kernels_from_the
 @pytest.mark.slow
 def test_a_user_s_own_inductor_cache_is_used_and_the_run_dir_keeps_torch_s_artifacts(tmp_path: Path) -> None:
     """With TORCHINDUCTOR_CACHE_DIR set, the workers compile into it, and the run dir keeps each local rank's
-    portable artifacts (torch.compiler.save_cache_artifacts), which the next start loads into an empty cache of the
-    user's: its graphs are cache hits. A damaged artifacts file is moved aside with one line, and the run trains."""
+    portable artifacts (torch.compiler.save_cache_artifacts), also at a stop before the first log; the next start
+    loads them into an empty cache of the user's: hits. A damaged file is moved aside with one line, the run trains."""
     from launcher.compat import COMPILE_CACHE_ARTIFACTS
 
     if not COMPILE_CACHE_ARTIFACTS:
@@ -218,7 +228,7 @@ def test_a_user_s_own_inductor_cache_is_used_and_the_run_dir_keeps_torch_s_artif
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     first = start(run_dir, TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "cache1"))
-    stopped_after_a_checkpoint(first, run_dir)
+    stopped_before_its_first_log(first, run_dir)  # (the artifacts were written at log steps only)
     kept = sorted(p.name for p in (run_dir / "compile_cache").glob("torch-*/local*.bin"))
     assert kept == ["local0.bin", "local1.bin"] and (tmp_path / "cache1" / "fxgraph").is_dir()
     damaged = run_dir / "compile_cache" / next((run_dir / "compile_cache").iterdir()).name / "local1.bin"
@@ -231,6 +241,28 @@ def test_a_user_s_own_inductor_cache_is_used_and_the_run_dir_keeps_torch_s_artif
     said = [line for line in err.splitlines() if "did not load" in line]
     assert len(said) == 1 and said[0].startswith(f"warning: the compile cache {damaged} did not load (damaged)"), err
     assert damaged.with_name("local1.bin.unusable").is_file() and damaged.is_file()  # and a new one, from this start
+
+
+def test_a_compile_cache_that_cannot_be_written_is_said_in_one_line_and_training_goes_on(tmp_path: Path) -> None:
+    """Rank 1's artifacts file cannot be written (a directory at its path; as a full disk): it says so once, keeps
+    nothing more, and the run trains on; rank 0 keeps its own. (It once ended the run at the first log.)"""
+    from launcher.compat import COMPILE_CACHE_ARTIFACTS
+    from launcher.train.compile_cache import cache_root
+
+    if not COMPILE_CACHE_ARTIFACTS:
+        pytest.skip("this torch has no torch.compiler.save_cache_artifacts (torch 2.7 on)")
+    run_dir = tmp_path / "run"
+    blocked = cache_root(run_dir) / "local1.bin"
+    blocked.mkdir(parents=True)
+    proc = start(run_dir, TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "cache"))
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, out[-2000:] + err[-3000:]
+    said = [line for line in err.splitlines() if "could not be written" in line]
+    assert len(said) == 1 and f"warning: the compile cache {blocked} could not be written (IsADirectoryError" in \
+        said[0] and said[0].endswith("training goes on, and this rank's next start compiles anew"), err[-3000:]
+    assert json.loads((run_dir / "summary.json").read_text())["steps"] == 60
+    kept = sorted(p.name for p in blocked.parent.iterdir() if p.is_file())
+    assert kept == ["local0.bin"] and len(list(blocked.parent.iterdir())) == 2  # no temp file left
 
 
 @pytest.mark.gpu

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 from contextlib import suppress
 from pathlib import Path
 from typing import Callable
@@ -37,7 +38,7 @@ def cache_root(run_dir: Path) -> Path:
 
 
 class CompileCache:
-    """Where this rank's compiles are cached, set before the first compile; `saved` after new graphs."""
+    """Where this rank's compiles are cached, set before the first compile; `keep` after new graphs."""
 
     def __init__(self, run_dir: Path, local_rank: int, device: torch.device, enabled: bool):
         self.kind: str | None = None  # "run dir", "artifacts" or None (off, or nothing this torch can keep)
@@ -73,16 +74,31 @@ class CompileCache:
                 os.replace(self.file, aside)
             warn(f"warning: the compile cache {self.file} did not load ({why}); moved to {aside.name}, compiling anew")
 
-    def saved(self, graphs: int) -> None:
-        """After this rank compiled more graphs (read at log steps): keep its artifacts for the next start. The
-        file is this local rank's, replaced whole: no collective, and a reader sees an old or a new one (on several
-        nodes sharing the run dir, the same local rank of each writes it: each a whole file of the same graphs)."""
-        if self.kind != "artifacts" or graphs <= self.graphs:
+    def keep(self) -> None:
+        """After this rank compiled more graphs (at log steps, and at a preemption's stop, which may come before the
+        first log): keep its artifacts for the next start. The file is this local rank's, replaced whole: no
+        collective, and a reader sees an old or a new one (on several nodes sharing the run dir, the same local rank
+        of each writes it: each a whole file of the same graphs). A save that fails (a full disk, an error of
+        torch's) is said in one line on stderr (this rank's, as load's) and keeps nothing more: the run trains on,
+        its next start compiles anew."""
+        if self.kind != "artifacts":
             return
-        artifacts = torch.compiler.save_cache_artifacts()
-        if artifacts is not None:
-            self.file.parent.mkdir(parents=True, exist_ok=True)
-            write_atomically(self.file, artifacts[0])
+        from torch._dynamo import utils  # (imported by the compile before)
+
+        graphs = utils.counters["stats"].get("unique_graphs", 0)
+        if graphs <= self.graphs:
+            return
+        try:
+            artifacts = torch.compiler.save_cache_artifacts()
+            if artifacts is not None:
+                self.file.parent.mkdir(parents=True, exist_ok=True)
+                write_atomically(self.file, artifacts[0])
+        except Exception as error:  # (on one rank: it enters no collective here, the others train on too)
+            self.kind = None
+            said = (str(error).strip().splitlines() or [""])[0][:200]
+            print(f"warning: the compile cache {self.file} could not be written ({type(error).__name__}: {said}); "
+                  f"training goes on, and this rank's next start compiles anew", file=sys.stderr, flush=True)
+            return
         self.graphs = graphs
 
 

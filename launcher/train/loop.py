@@ -103,6 +103,7 @@ def train(run: Run, progress: Progress, stop: StopFlag, final_eval: dict[str, fl
             compile_counts = log_interval(run, progress, meter, result.grad_norm)
         if ledger.stop:  # agreed by all ranks, read by all at the same step
             progress.eval_due = bool(eval_now)  # no time for it now: the next start evaluates these weights
+            run.compile_cache.keep()  # a requeue onto another node loads them (maybe before a log)
             save_checkpoint(run, progress, complete=True)
             run.log.preempted(step, stop.signum)
             # No rank exits before the marker exists: a node's launcher reads it once its workers exit.
@@ -155,7 +156,7 @@ def log_interval(run: Run, progress: Progress, meter: Meter, grad_norm: torch.Te
             record["loss_scale"] = run.scaler.get_scale()
         if run.compile_watch.enabled:  # every rank: a recompile on any rank stalls them all
             compiles = run.compile_watch.read()
-            run.compile_cache.saved(compiles["compiled_graphs"])  # this rank's new graphs, for the next start
+            run.compile_cache.keep()  # this rank's new graphs, for the next start
             compile_counts, warnings = compiled.combine(all_gather_objects(compiles))
             record.update(compile_counts)
             for warning in warnings:
