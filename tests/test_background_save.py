@@ -51,7 +51,8 @@ def test_a_save_in_flight_writes_its_step_s_state_as_a_synchronous_save_would(tm
         torch.save(state, tmp_path / "state.pt")
 
     background = BackgroundSave(torch.device("cpu"))
-    background.start(7, model, {"optimizer": optimizer.state_dict(), "step": 7}, write)
+    background.prepare(7, model, {"optimizer": optimizer.state_dict(), "step": 7}, write)
+    background.go()  # (once every rank prepared: checkpoint.save)
     optimizer.step()  # the next step, while the save is in flight
     with torch.no_grad():
         model.embed.weight.add_(1.0)
@@ -71,10 +72,26 @@ def test_a_failed_background_write_is_raised_by_the_next_wait_naming_its_step():
     def write(weights, state, moments):
         raise OSError(28, "No space left on device")
 
-    background.start(12, torch.nn.Linear(2, 2), {}, write)
+    background.prepare(12, torch.nn.Linear(2, 2), {}, write)
+    background.go()
     with pytest.raises(RuntimeError, match="checkpoint of step 12, written in the background, failed: OSError"):
         background.wait()
     background.wait()  # raised once
+
+
+def test_a_save_copies_and_starts_its_writer_only_once_every_rank_made_its_buffers():
+    """prepare() waits for the save before and makes the host buffers (what may fail, before the ranks agree), go()
+    copies and starts the writer: on CUDA the agreement (NCCL) would wait for copies queued before it, and under
+    strategy=fsdp a writer started before it would wait in DCP's collectives for a rank whose buffers failed."""
+    model, written = torch.nn.Linear(2, 2), []
+    background = BackgroundSave(torch.device("cpu"))
+    background.prepare(3, model, {"step": 3}, lambda weights, state, moments: written.append(weights.state_dict()))
+    with torch.no_grad():
+        model.weight.fill_(7.0)  # (the state at go() is the step's: nothing runs between the two)
+    assert background._thread is None and not written
+    background.go()
+    background.wait()
+    assert torch.equal(written[0]["weight"], torch.full((2, 2), 7.0)) and background._thread is None
 
 
 def test_a_half_written_checkpoint_is_never_chosen(tmp_path):

@@ -3,7 +3,8 @@
 Rank 0 copies the weights and the train state (the optimizer's moments too: the next step changes them in place)
 into host buffers it keeps from save to save (under strategy=fsdp the weights it gathered are host copies already),
 and under strategy=fsdp every rank its shards of the moments (launcher/train/sharded_checkpoint.py), pinned on
-CUDA: there the copies are queued on the GPU behind the step, and the thread, not the training, waits for them.
+CUDA: there the copies are queued on the GPU behind the step, and the thread, not the training, waits for them (they
+are queued once the ranks agreed that each could make its buffers: that agreement, on NCCL, would wait for them).
 The thread then writes exactly what a synchronous save writes (launcher/train/checkpoint.py: temp dir, checksums,
 COMPLETE, rename), so a crash at any instant leaves the newest complete checkpoint, never a torn one that counts.
 A save waits for the one before it; the final save and a preemption's wait for their own. Exercised by:
@@ -39,15 +40,19 @@ class BackgroundSave:
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._step: int | None = None
+        self._pending: tuple | None = None  # what prepare() made, for go()
+        self._copies: list[tuple[torch.Tensor, torch.Tensor]] = []  # (host buffer, the tensor it copies)
 
-    def start(self, step: int, model: torch.nn.Module | HostWeights | None, train_state: dict[str, Any] | None,
-              write: Callable[[HostWeights | None, dict[str, Any] | None, dict[str, Any] | None], None],
-              moments: dict[str, Any] | None = None) -> None:
-        """Wait for the save before (raising its error), copy this step's state, and write it in a thread. Under
-        strategy=fsdp the ranks but rank 0 have only `moments`, their shards (model and train_state None), and rank
-        0's `model` is the weights it gathered (sharding.full_weights): host copies of their own, written as they are
-        (the caller keeps none of them)."""
+    def prepare(self, step: int, model: torch.nn.Module | HostWeights | None, train_state: dict[str, Any] | None,
+                write: Callable[[HostWeights | None, dict[str, Any] | None, dict[str, Any] | None], None],
+                moments: dict[str, Any] | None = None) -> None:
+        """Wait for the save before (raising its error) and make this step's host buffers; what may fail, before the
+        ranks agree that every one can save (checkpoint.py), which go() then starts. Under strategy=fsdp the ranks
+        but rank 0 have only `moments`, their shards (model and train_state None), and rank 0's `model` is the
+        weights it gathered (sharding.full_weights): host copies of their own, written as they are (the caller keeps
+        none of them). Nothing is copied yet: on CUDA the ranks' agreement (NCCL) would wait for the copies."""
         self.wait()
+        self._copies = []
         shared: dict[tuple, torch.Tensor] = {}  # tied weights (an embedding and its decoder) stay one copy
         if model is None or isinstance(model, HostWeights):
             weights = model
@@ -57,15 +62,28 @@ class BackgroundSave:
         state = None if train_state is None else self._copy(train_state, "state", shared)
         shards = None if moments is None else {key: sharded_checkpoint.on_host(value, self._host(
             f"moments/{key}", value.to_local(), shared)) for key, value in moments.items()}
-        ready = None
-        if self.device.type == "cuda":  # the copies are queued behind the step: the thread waits for them
-            ready = torch.cuda.Event()
-            ready.record()
-        self._step = step
-        # not a daemon: an error that ends the worker still lets Python finish the write before it exits
-        self._thread = threading.Thread(target=self._write, args=(write, weights, state, shards, ready),
-                                        name=f"launcher-checkpoint-{step}")
-        self._thread.start()
+        self._step, self._pending = step, (write, weights, state, shards)
+
+    def go(self) -> None:
+        """Once every rank prepared: copy the state (queued on the GPU behind the step, where the thread waits for
+        it) and write it in a thread. An error here is the next wait's, as the write's is (the ranks agreed)."""
+        if self._pending is None:  # (a rank with nothing to write: DDP's ranks but rank 0)
+            return
+        (write, weights, state, shards), self._pending = self._pending, None
+        copies, self._copies = self._copies, []
+        try:
+            for buffer, tensor in copies:
+                buffer.copy_(tensor.detach(), non_blocking=True)
+            ready = None
+            if self.device.type == "cuda":  # the copies are queued behind the step: the thread waits for them
+                ready = torch.cuda.Event()
+                ready.record()
+            # not a daemon: an error that ends the worker still lets Python finish the write before it exits
+            self._thread = threading.Thread(target=self._write, args=(write, weights, state, shards, ready),
+                                            name=f"launcher-checkpoint-{self._step}")
+            self._thread.start()
+        except Exception as error:  # noqa: BLE001 - raised by the next wait(), on every rank
+            self._error = error
 
     def finish(self) -> None:
         """Until the save in flight is written, its error left to the next wait (a run ending with an error of its
@@ -105,7 +123,7 @@ class BackgroundSave:
         return copy.deepcopy(value)  # (numbers, strings: the scheduler's lists are replaced, but not shared)
 
     def _host(self, place: str, tensor: torch.Tensor, shared: dict[tuple, torch.Tensor]) -> torch.Tensor:
-        """A host copy of `tensor` in the buffer kept for `place` (queued on the GPU for a CUDA tensor)."""
+        """The buffer kept for `place`, which go() fills with `tensor` (queued on the GPU for a CUDA tensor)."""
         key = (tensor.device, tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape),
                tensor.stride(), tensor.dtype)
         if key in shared:
@@ -114,6 +132,6 @@ class BackgroundSave:
         if buffer is None or buffer.shape != tensor.shape or buffer.dtype != tensor.dtype:
             buffer = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=tensor.device.type == "cuda")
             self._buffers[place] = buffer
-        buffer.copy_(tensor.detach(), non_blocking=True)
+        self._copies.append((buffer, tensor))
         shared[key] = buffer
         return buffer

@@ -4,8 +4,7 @@ Model weights are safetensors (loadable without unpickling); optimizer, scaler, 
 and every rank's RNG state go in train_state.pt, loaded with weights_only=True. The COMPLETE marker
 holds each file's sha256, so a truncated or corrupt checkpoint is never loaded. A job may keep files of its
 own beside the weights: a transformers job's checkpoint is a save_pretrained dir (from_pretrained loads it).
-Exercised by: tests/test_resume.py, tests/test_pretrained_runs.py and
-`python -m launcher +exp=toy train.ckpt_every=50`.
+Exercised by: tests/test_resume.py, tests/test_pretrained_runs.py and `python -m launcher +exp=toy train.ckpt_every=50`.
 """
 from __future__ import annotations
 
@@ -69,17 +68,19 @@ def save(run_dir: Path, step: int, model: torch.nn.Module, train_state: dict[str
     def describe(error: Exception) -> str:
         return f"checkpoint of step {step} in {final.parent} failed: {type(error).__name__}: {error}"
 
-    if moments is None:  # also the wait for the files (or the copy): no rank reads them before; a failure (a full
+    if moments is None:  # also the wait for the files (or the buffers): no rank reads them before; a failure (a full
         # disk) is every rank's, a background save's at the next save
         on_rank_0(lambda: (write(model, state, None) if background is None
-                           else background.start(step, model, state, write)), describe=describe)
-        return final
-    wait_for_background(background)  # every rank's part of the save before: any rank's error is every rank's
-    # rank 0 makes the temp dir before any rank starts: DCP makes its folder in there on every rank
-    on_rank_0(lambda: _fresh(_tmp_dir(run_dir, step)), describe=describe)
-    mine = (model, state) if is_main else (None, None)  # the other ranks write their shards only
-    every_rank(lambda: write(*mine, moments) if background is None else background.start(step, *mine, write, moments),
-               describe=describe)
+                           else background.prepare(step, model, state, write)), describe=describe)
+    else:
+        wait_for_background(background)  # every rank's part of the save before: any rank's error is every rank's
+        # rank 0 makes the temp dir before any rank starts: DCP makes its folder in there on every rank
+        on_rank_0(lambda: _fresh(_tmp_dir(run_dir, step)), describe=describe)
+        mine = (model, state) if is_main else (None, None)  # the other ranks write their shards only
+        every_rank(lambda: write(*mine, moments) if background is None
+                   else background.prepare(step, *mine, write, moments), describe=describe)
+    if background is not None:  # every rank made its buffers: copy, write (no thread waits in DCP for a failed rank)
+        background.go()
     return final
 
 
