@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+from contextlib import suppress
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +38,8 @@ def write_atomically(path: Path, data: str | bytes) -> None:
         tmp.write_bytes(data) if isinstance(data, bytes) else tmp.write_text(data)
         os.replace(tmp, path)
     except BaseException:
-        tmp.unlink(missing_ok=True)
+        with suppress(OSError):  # (the write's error is the one to tell)
+            tmp.unlink(missing_ok=True)
         raise
 
 

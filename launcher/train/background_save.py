@@ -79,9 +79,10 @@ class BackgroundSave:
                 ready = torch.cuda.Event()
                 ready.record()
             # not a daemon: an error that ends the worker still lets Python finish the write before it exits
-            self._thread = threading.Thread(target=self._write, args=(write, weights, state, shards, ready),
-                                            name=f"launcher-checkpoint-{self._step}")
-            self._thread.start()
+            thread = threading.Thread(target=self._write, args=(write, weights, state, shards, ready),
+                                      name=f"launcher-checkpoint-{self._step}")
+            thread.start()
+            self._thread = thread  # (one that did not start is none to join)
         except Exception as error:  # noqa: BLE001 - raised by the next wait(), on every rank
             self._error = error
 

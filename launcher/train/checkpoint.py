@@ -48,7 +48,7 @@ def save(run_dir: Path, step: int, model: torch.nn.Module, train_state: dict[str
          also_keep: int | None = None, background: BackgroundSave | None = None,
          then: Callable[[], None] | None = None, moments: dict[str, Any] | None = None) -> Path:
     """Every rank calls this (it gathers every rank's RNG state); rank 0 writes; all wait for the files, or, with
-    `background` (train.ckpt_async), for rank 0's copy of the state to host memory (and for the save before).
+    `background` (train.ckpt_async), for rank 0's host buffers (and the save before), then its copy is queued.
     With `moments` (strategy=fsdp: this rank's shards of the optimizer's moments, sharded_checkpoint.py) every
     rank writes its own into the same checkpoint, and copies them to host memory for a background save.
     The newest `keep` checkpoints stay, and the one of step `also_keep` (train.best_metric's best).

@@ -43,6 +43,7 @@ class CompileCache:
     def __init__(self, run_dir: Path, local_rank: int, device: torch.device, enabled: bool):
         self.kind: str | None = None  # "run dir", "artifacts" or None (off, or nothing this torch can keep)
         self.graphs = 0  # graphs compiled when the artifacts were last written
+        self.failed = False  # a write failed: this rank keeps no more (the summary still names the kind)
         if not enabled:
             return
         root = cache_root(run_dir)
@@ -81,7 +82,7 @@ class CompileCache:
         of each writes it: each a whole file of the same graphs). A save that fails (a full disk, an error of
         torch's) is said in one line on stderr (this rank's, as load's) and keeps nothing more: the run trains on,
         its next start compiles anew."""
-        if self.kind != "artifacts":
+        if self.kind != "artifacts" or self.failed:
             return
         from torch._dynamo import utils  # (imported by the compile before)
 
@@ -94,7 +95,7 @@ class CompileCache:
                 self.file.parent.mkdir(parents=True, exist_ok=True)
                 write_atomically(self.file, artifacts[0])
         except Exception as error:  # (on one rank: it enters no collective here, the others train on too)
-            self.kind = None
+            self.failed = True
             said = (str(error).strip().splitlines() or [""])[0][:200]
             print(f"warning: the compile cache {self.file} could not be written ({type(error).__name__}: {said}); "
                   f"training goes on, and this rank's next start compiles anew", file=sys.stderr, flush=True)

@@ -103,8 +103,9 @@ def train(run: Run, progress: Progress, stop: StopFlag, final_eval: dict[str, fl
             compile_counts = log_interval(run, progress, meter, result.grad_norm)
         if ledger.stop:  # agreed by all ranks, read by all at the same step
             progress.eval_due = bool(eval_now)  # no time for it now: the next start evaluates these weights
-            run.compile_cache.keep()  # a requeue onto another node loads them (maybe before a log)
-            save_checkpoint(run, progress, complete=True)
+            save_checkpoint(run, progress, complete=True)  # first: the grace period may end during what follows
+            if run.compile_watch.enabled:  # a requeue onto another node loads them (maybe before any log)
+                run.compile_cache.keep()
             run.log.preempted(step, stop.signum)
             # No rank exits before the marker exists: a node's launcher reads it once its workers exit.
             torch.distributed.barrier()
