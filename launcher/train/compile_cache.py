@@ -75,19 +75,14 @@ class CompileCache:
                 os.replace(self.file, aside)
             warn(f"warning: the compile cache {self.file} did not load ({why}); moved to {aside.name}, compiling anew")
 
-    def keep(self) -> None:
-        """After this rank compiled more graphs (at log steps, and at a preemption's stop, which may come before the
-        first log): keep its artifacts for the next start. The file is this local rank's, replaced whole: no
+    def keep(self, graphs: int) -> None:
+        """After this rank compiled more `graphs` (at log steps, and at a preemption's stop, which may come before
+        the first log): keep its artifacts for the next start. The file is this local rank's, replaced whole: no
         collective, and a reader sees an old or a new one (on several nodes sharing the run dir, the same local rank
         of each writes it: each a whole file of the same graphs). A save that fails (a full disk, an error of
         torch's) is said in one line on stderr (this rank's, as load's) and keeps nothing more: the run trains on,
         its next start compiles anew."""
-        if self.kind != "artifacts" or self.failed:
-            return
-        from torch._dynamo import utils  # (imported by the compile before)
-
-        graphs = utils.counters["stats"].get("unique_graphs", 0)
-        if graphs <= self.graphs:
+        if self.kind != "artifacts" or self.failed or graphs <= self.graphs:
             return
         try:
             artifacts = torch.compiler.save_cache_artifacts()

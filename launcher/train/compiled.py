@@ -174,6 +174,13 @@ def eager_where_compiling_fails() -> EagerFallbacks:
     return fallbacks
 
 
+def compiled_graphs() -> int:
+    """The graphs dynamo compiled in this process so far (what the compile cache keeps, what the metrics count)."""
+    from torch._dynamo import utils
+
+    return utils.counters["stats"].get("unique_graphs", 0)
+
+
 class CompileWatch:
     """This rank's compile counters since the last log; a no-op without train.compile. `fallbacks`: under
     train.compile=auto, the code that trains eagerly as dynamo failed to compile it."""
@@ -189,7 +196,7 @@ class CompileWatch:
             return {}
         from torch._dynamo import utils
 
-        graphs, breaks = utils.counters["stats"].get("unique_graphs", 0), dict(utils.counters["graph_break"])
+        graphs, breaks = compiled_graphs(), dict(utils.counters["graph_break"])
         pieces = utils.counters["aot_autograd"].get("total", 0)  # graphs after DDPOptimizer's cuts, each compiled
         failures = getattr(utils, "guard_failures", {})  # recompile reasons by code; read leniently
         new_breaks = [reason for reason in breaks if reason not in self.breaks]

@@ -105,7 +105,7 @@ def train(run: Run, progress: Progress, stop: StopFlag, final_eval: dict[str, fl
             progress.eval_due = bool(eval_now)  # no time for it now: the next start evaluates these weights
             save_checkpoint(run, progress, complete=True)  # first: the grace period may end during what follows
             if run.compile_watch.enabled:  # a requeue onto another node loads them (maybe before any log)
-                run.compile_cache.keep()
+                run.compile_cache.keep(compiled.compiled_graphs())
             run.log.preempted(step, stop.signum)
             # No rank exits before the marker exists: a node's launcher reads it once its workers exit.
             torch.distributed.barrier()
@@ -157,7 +157,7 @@ def log_interval(run: Run, progress: Progress, meter: Meter, grad_norm: torch.Te
             record["loss_scale"] = run.scaler.get_scale()
         if run.compile_watch.enabled:  # every rank: a recompile on any rank stalls them all
             compiles = run.compile_watch.read()
-            run.compile_cache.keep()  # this rank's new graphs, for the next start
+            run.compile_cache.keep(compiles["compiled_graphs"])  # this rank's new graphs, for the next start
             compile_counts, warnings = compiled.combine(all_gather_objects(compiles))
             record.update(compile_counts)
             for warning in warnings:
